@@ -1,0 +1,90 @@
+"""Multi-head Latent Attention (DeepSeek-V2/V3) over the compressed latent KV cache.
+
+The cache holds, per token and layer, the normed kv_lora part of kv_a_proj_with_mqa
+(`latent`, kv_lora_rank values) and the roped shared key (`k_rope`, qk_rope_head_dim
+values): cfg.cache_dim in all, never the expanded per-head K/V. Attention runs in the
+absorbed form: q_nope is mapped into the latent space through kv_b's key half, scores are
+q_lat . latent + q_rope . k_rope, and the latent-space output goes through kv_b's value
+half. This equals HF's expanded form (same products, another summation order).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from hmoe_jax.config import ModelConfig
+from hmoe_jax.model.layers import dense_weight, linear, rms_norm
+from hmoe_jax.model.params import MLAParams
+from hmoe_jax.model.rope import apply_rope, rope_cos_sin
+
+# HF's and DeepSeek's q_a_layernorm / kv_a_layernorm use RMSNorm's default eps, not
+# config.rms_norm_eps.
+LORA_NORM_EPS = 1e-6
+
+
+def project_q(p: MLAParams, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    """x [B, T, D] -> q [B, T, H, qk_head_dim]."""
+    if cfg.q_lora_rank is None:
+        q = linear(x, p.q)
+    else:
+        q = linear(rms_norm(linear(x, p.q_a), p.q_a_norm, LORA_NORM_EPS), p.q_b)
+    return q.reshape(*x.shape[:2], cfg.num_attention_heads, cfg.qk_head_dim)
+
+
+def project_kv(p: MLAParams, cfg: ModelConfig, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [B, T, D] -> (latent [B, T, kv_lora_rank] normed, k_rope [B, T, qk_rope_head_dim] not yet roped)."""
+    kv = linear(x, p.kv_a)  # [B, T, kv_lora_rank + dr]
+    latent = rms_norm(kv[..., : cfg.kv_lora_rank], p.kv_a_norm, LORA_NORM_EPS)
+    return latent, kv[..., cfg.kv_lora_rank :]
+
+
+def causal_mask(start_pos: jax.Array, t: int, s_max: int) -> jax.Array:
+    """[T, S_max] bool: query t (at position start_pos + t) sees cache slots 0..start_pos + t.
+    Covers prefill (start_pos 0), decode (T 1) and chunked prefill (start_pos > 0, T > 1)."""
+    q_pos = start_pos + jnp.arange(t)[:, None]
+    return jnp.arange(s_max)[None, :] <= q_pos
+
+
+def mla_attention(
+    p: MLAParams,
+    cfg: ModelConfig,
+    x: jax.Array,
+    cache_latent: jax.Array,
+    cache_rope: jax.Array,
+    start_pos: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [B, T, D] (already input-normed) at positions start_pos.. ; cache_latent
+    [B, S_max, kv_lora_rank], cache_rope [B, S_max, dr] -> (out [B, T, D], new caches).
+    The new tokens' latent/k_rope are written at start_pos before attending."""
+    b, t, _ = x.shape
+    h, dn, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+    r = cfg.kv_lora_rank
+    s_max = cache_latent.shape[1]
+    start_pos = jnp.asarray(start_pos, jnp.int32)
+
+    positions = jnp.broadcast_to(start_pos + jnp.arange(t, dtype=jnp.int32), (b, t))
+    cos, sin = rope_cos_sin(cfg, positions)  # [B, T, dr/2]
+    q = project_q(p, cfg, x)
+    q_nope, q_rope = q[..., :dn], apply_rope(q[..., dn:], cos, sin)  # [B, T, H, dn], [B, T, H, dr]
+    latent, k_rope = project_kv(p, cfg, x)
+    k_rope = apply_rope(k_rope, cos, sin)  # [B, T, dr]
+
+    cache_latent = jax.lax.dynamic_update_slice(
+        cache_latent, latent.astype(cache_latent.dtype), (0, start_pos, 0)
+    )
+    cache_rope = jax.lax.dynamic_update_slice(cache_rope, k_rope.astype(cache_rope.dtype), (0, start_pos, 0))
+    lat = cache_latent.astype(jnp.float32)  # [B, S, R]
+    rop = cache_rope.astype(jnp.float32)  # [B, S, dr]
+
+    kv_b = dense_weight(p.kv_b).reshape(h, dn + dv, r)
+    w_uk, w_uv = kv_b[:, :dn, :], kv_b[:, dn:, :]  # [H, dn, R], [H, dv, R]
+    q_lat = jnp.einsum("bthd,hdr->bthr", q_nope, w_uk)  # [B, T, H, R]
+    scores = jnp.einsum("bthr,bsr->bhts", q_lat, lat) + jnp.einsum("bthd,bsd->bhts", q_rope, rop)
+    scores = scores * cfg.softmax_scale  # [B, H, T, S]
+    mask = causal_mask(start_pos, t, s_max)
+    scores = jnp.where(mask[None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    o_lat = jnp.einsum("bhts,bsr->bthr", probs, lat)  # [B, T, H, R]
+    o = jnp.einsum("bthr,hdr->bthd", o_lat, w_uv).reshape(b, t, h * dv)
+    return linear(o, p.o), cache_latent, cache_rope
