@@ -1,0 +1,71 @@
+"""Bytes and FLOPs of the model's pieces, for plans and for the SLP ring policy.
+FLOPs count a multiply-add as 2. Weight bytes are as stored (FP8: 1 byte/weight plus the
+f32 block scales; f32 models: 4 bytes/weight)."""
+
+from __future__ import annotations
+
+from hmoe_jax.config import ModelConfig
+
+
+def _w_bytes(cfg: ModelConfig, n: int, k: int) -> int:
+    if cfg.quant is None:
+        return 4 * n * k
+    q = cfg.quant
+    return n * k + 4 * (-(-n // q.block_n)) * (-(-k // q.block_k))
+
+
+def expert_bytes(cfg: ModelConfig) -> int:
+    """One routed expert: gate, up [I, D] and down [D, I]."""
+    d, i = cfg.hidden_size, cfg.moe_intermediate_size
+    return 2 * _w_bytes(cfg, i, d) + _w_bytes(cfg, d, i)
+
+
+def shared_bytes(cfg: ModelConfig) -> int:
+    d, i = cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts
+    return 0 if not cfg.n_shared_experts else 2 * _w_bytes(cfg, i, d) + _w_bytes(cfg, d, i)
+
+
+def expert_flops(cfg: ModelConfig, rows: int) -> int:
+    """`rows` token-expert assignments through one expert's SwiGLU."""
+    return 2 * rows * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+
+
+def dense_ffn_flops(cfg: ModelConfig, tokens: int) -> int:
+    return 2 * tokens * 3 * cfg.hidden_size * cfg.intermediate_size
+
+
+def shared_flops(cfg: ModelConfig, tokens: int) -> int:
+    return 2 * tokens * 3 * cfg.hidden_size * cfg.moe_intermediate_size * cfg.n_shared_experts
+
+
+def attn_flops(cfg: ModelConfig, tokens: int, start_pos: int = 0) -> int:
+    """MLA projections plus causal attention over the (latent-expanded) keys."""
+    d, h = cfg.hidden_size, cfg.num_attention_heads
+    qk, v, r = cfg.qk_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    if cfg.q_lora_rank is None:
+        proj = d * h * qk
+    else:
+        proj = d * cfg.q_lora_rank + cfg.q_lora_rank * h * qk
+    proj += d * cfg.cache_dim + r * h * (cfg.qk_nope_head_dim + v) + h * v * d
+    # average causal context per query token
+    ctx = start_pos + (tokens + 1) / 2
+    core = h * (qk + v) * ctx
+    return int(2 * tokens * (proj + core))
+
+
+def router_flops(cfg: ModelConfig, tokens: int) -> int:
+    return 2 * tokens * cfg.hidden_size * cfg.n_routed_experts
+
+
+def lm_head_flops(cfg: ModelConfig, tokens: int) -> int:
+    return 2 * tokens * cfg.hidden_size * cfg.vocab_size
+
+
+def hidden_bytes(cfg: ModelConfig, tokens: int) -> int:
+    """f32 hidden states of `tokens` tokens."""
+    return 4 * tokens * cfg.hidden_size
+
+
+def route_bytes(cfg: ModelConfig, tokens: int) -> int:
+    """ids (int32) + weights (f32) of `tokens` tokens."""
+    return 8 * tokens * cfg.num_experts_per_tok

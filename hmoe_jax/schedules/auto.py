@@ -1,0 +1,33 @@
+"""`auto`: the paper's policy. Decode steps and prompts shorter than
+system.auto_slp_min_tokens (4096 by default) use `cpu`; longer prompts use `dslp` when at
+least two accelerators are available (and the schedule is registered), else `slp`."""
+
+from __future__ import annotations
+
+from hmoe_jax.config import ModelConfig
+from hmoe_jax.runtime.plan import Plan
+from hmoe_jax.runtime.system import SystemSpec
+from hmoe_jax.schedules.base import Schedule
+
+
+class AutoSchedule(Schedule):
+    name = "auto"
+    max_devices = None
+
+    def choose(self, system: SystemSpec, num_tokens: int, devices: int, start_pos: int = 0) -> str:
+        from hmoe_jax.schedules.registry import SCHEDULES
+
+        if start_pos > 0 or num_tokens < system.auto_slp_min_tokens:
+            return "cpu"
+        if devices >= 2 and "dslp" in SCHEDULES and num_tokens >= system.auto_dslp_min_tokens:
+            return "dslp"
+        return "slp"
+
+    def plan(
+        self, cfg: ModelConfig, system: SystemSpec, num_tokens: int, *, devices: int = 1, start_pos: int = 0
+    ) -> Plan:
+        from hmoe_jax.schedules.registry import get_schedule
+
+        inner = get_schedule(self.choose(system, num_tokens, devices, start_pos), **self.options)
+        p = inner.plan(cfg, system, num_tokens, devices=inner.uses_devices(devices), start_pos=start_pos)
+        return Plan(p.schedule, p.num_tokens, p.ops, {**p.meta, "chosen_by": "auto"})

@@ -1,0 +1,123 @@
+"""`cpu`: the paper's decode placement, also used for short (chunked) prefill.
+
+Attention (MLA + latent cache), dense layers, shared experts, embeddings and lm_head run on
+the accelerator; routed experts run on the host CPU (ExpertFn with M = chunk tokens); per
+MoE layer the normed hidden states hop accelerator -> host and the expert output hops back.
+The shared expert has no dependency on the hop, so it runs on the accelerator while the
+host computes the routed experts.
+"""
+
+from __future__ import annotations
+
+from hmoe_jax.config import ModelConfig
+from hmoe_jax.runtime import costs
+from hmoe_jax.runtime.plan import Plan, PlanBuilder
+from hmoe_jax.runtime.system import SystemSpec
+from hmoe_jax.schedules.base import Schedule
+
+
+def touched_experts(cfg: ModelConfig, tokens: int) -> int:
+    """Upper bound of distinct experts `tokens` tokens route to (weights the CPU reads)."""
+    return min(cfg.n_routed_experts, tokens * cfg.num_experts_per_tok)
+
+
+def chunks(num_tokens: int, chunk: int) -> list[tuple[int, int]]:
+    return [(t, min(t + chunk, num_tokens)) for t in range(0, num_tokens, chunk)]
+
+
+def add_attention(
+    b: PlanBuilder,
+    cfg: ModelConfig,
+    layer: int,
+    t0: int,
+    t1: int,
+    start_pos: int,
+    dep: int,
+    acc: str = "acc:0",
+) -> int:
+    return b.add(
+        "attn",
+        acc,
+        layer=layer,
+        flops=costs.attn_flops(cfg, t1 - t0, start_pos + t0),
+        deps=[dep],
+        tokens=[t0, t1],
+    )
+
+
+class CpuSchedule(Schedule):
+    """Options: chunk_tokens (default system.cpu_prefill_chunk_tokens), all_logits (False:
+    lm_head on the last token only)."""
+
+    name = "cpu"
+
+    def plan(
+        self, cfg: ModelConfig, system: SystemSpec, num_tokens: int, *, devices: int = 1, start_pos: int = 0
+    ) -> Plan:
+        self.check_devices(self.uses_devices(devices))
+        chunk = int(self.options.get("chunk_tokens", system.cpu_prefill_chunk_tokens))
+        all_logits = bool(self.options.get("all_logits", False))
+        b = PlanBuilder(self.name, num_tokens)
+        k = cfg.num_experts_per_tok
+        prev_chunk_last = None
+        spans = chunks(num_tokens, chunk)
+        for ci, (t0, t1) in enumerate(spans):
+            n = t1 - t0
+            # A chunk's attention at layer l reads the cache the previous chunk wrote at l:
+            # serialising chunks through h keeps that order (one accelerator stream).
+            h = b.add("embed", "acc:0", deps=[prev_chunk_last], tokens=[t0, t1])
+            for layer in range(cfg.num_hidden_layers):
+                h = add_attention(b, cfg, layer, t0, t1, start_pos, h)
+                if not cfg.is_moe_layer(layer):
+                    h = b.add(
+                        "dense_ffn",
+                        "acc:0",
+                        layer=layer,
+                        flops=costs.dense_ffn_flops(cfg, n),
+                        deps=[h],
+                        tokens=[t0, t1],
+                    )
+                    continue
+                r = b.add(
+                    "route", "acc:0", layer=layer, flops=costs.router_flops(cfg, n), deps=[h], tokens=[t0, t1]
+                )
+                hop = costs.hidden_bytes(cfg, n) + costs.route_bytes(cfg, n)
+                d = b.add("d2h", "d2h:0", layer=layer, bytes=hop, deps=[r], tokens=[t0, t1])
+                s = (
+                    b.add(
+                        "shared",
+                        "acc:0",
+                        layer=layer,
+                        flops=costs.shared_flops(cfg, n),
+                        deps=[r],
+                        tokens=[t0, t1],
+                    )
+                    if cfg.n_shared_experts
+                    else None
+                )
+                e = b.add(
+                    "experts_cpu",
+                    "cpu_experts",
+                    layer=layer,
+                    flops=costs.expert_flops(cfg, n * k),
+                    bytes=touched_experts(cfg, n) * costs.expert_bytes(cfg),
+                    deps=[d],
+                    tokens=[t0, t1],
+                )
+                u = b.add(
+                    "h2d", "h2d:0", layer=layer, bytes=costs.hidden_bytes(cfg, n), deps=[e], tokens=[t0, t1]
+                )
+                h = b.add("combine", "acc:0", layer=layer, deps=[h, u, s], tokens=[t0, t1])
+            last = ci == len(spans) - 1
+            if all_logits or last:
+                rows = n if all_logits else 1
+                h = b.add(
+                    "final",
+                    "acc:0",
+                    flops=costs.lm_head_flops(cfg, rows),
+                    deps=[h],
+                    tokens=[t0, t1],
+                    rows="all" if all_logits else "last",
+                )
+            prev_chunk_last = h
+        return b.build(devices=1, start_pos=start_pos, chunk_tokens=chunk, all_logits=all_logits)
