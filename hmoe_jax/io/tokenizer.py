@@ -1,0 +1,85 @@
+"""Text <-> token ids: the checkpoint's tokenizer.json through the `tokenizers` library
+when present, else a byte-level fallback.
+
+Byte-level fallback (fixed, documented in docs/checkpoints.md): id 0 = <bos>, 1 = <eos>,
+2 = <pad>, and byte b (0..255) of the UTF-8 encoding is id 3 + b, so it needs a vocabulary
+of >= 259 ids. encode() prepends <bos>; decode() drops special ids, maps every other id
+outside the byte range to U+FFFD, and decodes the bytes as UTF-8 with invalid sequences
+replaced (U+FFFD), so decode(encode(s)) == s for any str s.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from hmoe_jax.io.errors import CheckpointError
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+class Tokenizer(Protocol):
+    name: str
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class ByteTokenizer:
+    BOS, EOS, PAD = 0, 1, 2
+    OFFSET = 3  # id of byte 0x00
+    MIN_VOCAB = OFFSET + 256
+    name = "bytes"
+
+    def __init__(self, vocab_size: int):
+        if vocab_size < self.MIN_VOCAB:
+            raise CheckpointError(
+                f"byte-level tokenizer needs vocab_size >= {self.MIN_VOCAB}, the model has {vocab_size}; add a tokenizer.json"
+            )
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        return [self.BOS] + [self.OFFSET + b for b in text.encode("utf-8")]
+
+    def decode(self, ids: list[int]) -> str:
+        out = bytearray()
+        for i in ids:
+            if i in (self.BOS, self.EOS, self.PAD):
+                continue
+            b = i - self.OFFSET
+            # An id past the byte range has no byte: emit U+FFFD's UTF-8 encoding.
+            out += bytes([b]) if 0 <= b < 256 else "\ufffd".encode()
+        return out.decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A tokenizer.json; encode adds the special tokens its post-processor defines (e.g.
+    DeepSeek's <｜begin▁of▁sentence｜>), decode skips special tokens."""
+
+    name = "tokenizer.json"
+
+    def __init__(self, path: Path):
+        from tokenizers import Tokenizer as _Tok
+
+        try:
+            self._tok = _Tok.from_file(str(path))
+        except Exception as e:  # the library raises a bare Exception on bad files
+            raise CheckpointError(
+                f"{path}: cannot read tokenizer ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+            ) from None
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=True).ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+
+def load_tokenizer(checkpoint: str | Path | None, vocab_size: int) -> Tokenizer:
+    """The checkpoint's tokenizer.json if it has one, else the byte-level fallback."""
+    if checkpoint is not None:
+        p = Path(checkpoint) / TOKENIZER_FILE
+        if p.exists():
+            return HFTokenizer(p)
+    return ByteTokenizer(vocab_size)
