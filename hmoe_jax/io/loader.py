@@ -238,7 +238,12 @@ def load_checkpoint(
     if cat.unused:
         _note_unused(cfg, cat)
     with tqdm(
-        total=len(specs), desc="loading", unit="tensor", file=sys.stderr, disable=not progress, leave=False
+        total=len(specs),
+        desc="loading",
+        unit="tensor",
+        file=sys.stderr,
+        disable=None if progress else True,
+        leave=False,
     ) as bar:
         ld = _Loader(cfg, cat, specs, upcast_f32, bar)
         params = build_params(cfg, ld.get, stack=ld.stack)

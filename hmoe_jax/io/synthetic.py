@@ -7,7 +7,10 @@ Weights: every tensor draws from its own RNG seeded by (seed, crc32(name)), so v
 not depend on the order tensors are made. Scales keep activations O(1): projections are
 N(0, 1/fan_in) (variance preserving), norms are 1 + small noise, the router has unit-scale
 logits (so sigmoid scores spread), and lm_head is scaled so logits have a std of a few
-units: peaked enough that greedy decoding follows the context, not a flat lottery.
+units: peaked enough that greedy decoding follows the context, not a flat lottery. Rows
+of lm_head for ids that are not printable ASCII under the byte-level fallback tokenizer
+(hmoe_jax.io.tokenizer) are scaled down by OTHER_ROW_SCALE, so the default model's
+output reads as (random) text instead of replacement characters.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import numpy as np
 
 from hmoe_jax.config import ModelConfig, QuantConfig, named_model_config
 from hmoe_jax.io.names import build_params, expected_tensors
+from hmoe_jax.io.tokenizer import ByteTokenizer
 from hmoe_jax.io.writer import save_checkpoint
 from hmoe_jax.model.params import ModelParams
 
@@ -33,11 +37,12 @@ DEFAULT_MODEL = "deepseek_v3_tiny"
 DEFAULT_SEED = 0
 # Bump when the recipe below changes: it is part of the cache key, so old caches are
 # never mistaken for new weights.
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 LOGIT_STD = 4.0  # target std of lm_head logits on unit-RMS hidden states
 EMBED_STD = 1.0
 BIAS_STD = 0.05  # router score-correction bias (selection only)
 NORM_NOISE = 0.05
+OTHER_ROW_SCALE = 0.3
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
@@ -56,9 +61,17 @@ def _tensor(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int) -> n
     fan_in = shape[-1]
     std = (LOGIT_STD if name == "lm_head.weight" else 1.0) / np.sqrt(fan_in)
     w = (std * r.standard_normal(shape)).astype(np.float32)
+    if name == "lm_head.weight":
+        w[~_printable_ids(shape[0])] *= OTHER_ROW_SCALE
     # Embed, lm_head, norms and the router are bf16 in DeepSeek's release; the other
     # matrices are quantized to FP8 by the writer, so they may stay f32 here.
     return w.astype(BF16) if name in ("lm_head.weight",) or name.endswith("mlp.gate.weight") else w
+
+
+def _printable_ids(vocab_size: int) -> np.ndarray:
+    """[V] bool: ids the byte-level tokenizer decodes to printable ASCII or newline."""
+    byte = np.arange(vocab_size) - ByteTokenizer.OFFSET
+    return ((byte >= 0x20) & (byte < 0x7F)) | (byte == 0x0A)
 
 
 def synthetic_params(cfg: ModelConfig, seed: int = DEFAULT_SEED) -> ModelParams:

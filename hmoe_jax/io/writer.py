@@ -131,7 +131,7 @@ def _write(
         unit="B",
         unit_scale=True,
         file=sys.stderr,
-        disable=not progress,
+        disable=None if progress else True,
         leave=False,
     ) as bar:
         for i, shard in enumerate(shards):

@@ -1,0 +1,328 @@
+"""`hmoe` command line: generate, logits, convert.
+
+Interfaces are stable (other tools call them):
+  hmoe generate [--checkpoint DIR] (--prompt TEXT | --tokens 1,2,3) [--max-new-tokens N]
+                [--temperature T] [--top-p P] [--seed S] [--ignore-eos] [--max-context N] [--json]
+  hmoe logits   [--checkpoint DIR] --tokens 1,2,3 --out FILE.npy
+  hmoe convert  --checkpoint IN --out OUT [--format fp8|bf16|f32] [--shard-bytes N]
+Without --checkpoint, the embedded default (deepseek_v3_tiny, synthetic FP8 weights,
+cached on first use) is used. With --json the LAST stdout line is one JSON object.
+
+Options that change how a model runs (expert path, schedule, devices, ...) are added in
+`add_run_args` and turned into the `Run` in `build_run`; commands only consume a `Run`.
+Bad input raises ConfigError / CheckpointError / InputError; main() prints their one-line
+message to stderr and returns 1 (no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from hmoe_jax.config import ConfigError, ModelConfig
+from hmoe_jax.io.errors import CheckpointError, InputError
+
+DEFAULT_MAX_NEW_TOKENS = 32
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything a command needs to execute a model, built once from parsed args."""
+
+    cfg: ModelConfig
+    params: Any  # ModelParams (leaves on the default device after build_run)
+    tokenizer: Any  # hmoe_jax.io.tokenizer.Tokenizer
+    model: str  # human/JSON name of the model
+    checkpoint: Path
+    expert_fn: Any  # hmoe_jax.model.moe.ExpertFn
+    max_context: int
+
+
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--checkpoint",
+        type=Path,
+        default=None,
+        help="HF-format checkpoint dir (default: embedded tiny model)",
+    )
+    p.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help="context limit in tokens (default: max_position_embeddings)",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bars or notes on stderr")
+
+
+def build_run(args: argparse.Namespace) -> Run:
+    """Load the model and resolve run options. New run flags plug in here."""
+    import jax
+
+    from hmoe_jax.io.loader import load_checkpoint
+    from hmoe_jax.io.synthetic import DEFAULT_MODEL, DEFAULT_SEED, ensure_default_checkpoint
+    from hmoe_jax.io.tokenizer import load_tokenizer
+    from hmoe_jax.model.moe import experts_ref
+
+    progress = not args.quiet
+    if args.checkpoint is None:
+        ckpt = ensure_default_checkpoint(progress=progress)
+        model = f"{DEFAULT_MODEL} (synthetic, seed {DEFAULT_SEED})"
+    else:
+        ckpt = args.checkpoint
+        model = ckpt.name
+    cfg, params = load_checkpoint(ckpt, progress=progress)
+    max_context = cfg.max_position_embeddings
+    if args.max_context is not None:
+        if not 1 <= args.max_context <= cfg.max_position_embeddings:
+            raise InputError(
+                f"--max-context {args.max_context} must be in [1, max_position_embeddings={cfg.max_position_embeddings}]"
+            )
+        max_context = args.max_context
+    return Run(
+        cfg=cfg,
+        params=jax.device_put(params),
+        tokenizer=load_tokenizer(ckpt, cfg.vocab_size),
+        model=model,
+        checkpoint=ckpt,
+        expert_fn=experts_ref,
+        max_context=max_context,
+    )
+
+
+def parse_tokens(text: str, flag: str = "--tokens") -> list[int]:
+    parts = [s.strip() for s in text.split(",") if s.strip()]
+    if not parts:
+        raise InputError(f"{flag}: expected comma-separated token ids like 1,2,3, got {text!r}")
+    try:
+        return [int(s) for s in parts]
+    except ValueError:
+        bad = next(s for s in parts if not s.lstrip("-").isdigit())
+        raise InputError(f"{flag}: {bad!r} is not an integer token id") from None
+
+
+def check_ids(ids: Sequence[int], vocab_size: int, flag: str) -> None:
+    for i in ids:
+        if not 0 <= i < vocab_size:
+            raise InputError(f"{flag}: token id {i} out of range [0, vocab_size={vocab_size})")
+
+
+def check_context(n_prompt: int, n_new: int, max_context: int, source: str) -> None:
+    if n_prompt + n_new > max_context:
+        raise InputError(
+            f"prompt ({n_prompt} tokens{source}) + {n_new} new tokens = {n_prompt + n_new} exceeds the context of {max_context} tokens"
+        )
+
+
+def prompt_ids(args: argparse.Namespace, run: Run) -> list[int]:
+    if args.tokens is not None:
+        ids = parse_tokens(args.tokens)
+        check_ids(ids, run.cfg.vocab_size, "--tokens")
+        return ids
+    ids = run.tokenizer.encode(args.prompt)
+    check_ids(ids, run.cfg.vocab_size, f"--prompt (encoded by {run.tokenizer.name})")
+    if not ids:
+        raise InputError("--prompt: encodes to no tokens")
+    return ids
+
+
+def _warmup(run: Run, ids: list[int], max_new_tokens: int, temperature: float, top_p: float) -> float:
+    """Compile what generate() will run (prefill, decode step, sampling, key splits) so
+    that TTFT and decode times measure execution, not XLA compilation. Returns seconds."""
+    import numpy as np
+
+    from hmoe_jax.model.generate import CACHE_BUCKET, generate
+    from hmoe_jax.model.model import forward, init_cache
+
+    t0 = time.perf_counter()
+    n_warm = min(2, max_new_tokens)
+    generate(
+        run.params,
+        run.cfg,
+        ids,
+        n_warm,
+        expert_fn=run.expert_fn,
+        temperature=temperature,
+        top_p=top_p,
+        stop_ids=(),
+    )
+
+    def bucket(n: int) -> int:  # generate() rounds the cache length up to CACHE_BUCKET
+        return -(-n // CACHE_BUCKET) * CACHE_BUCKET
+
+    if bucket(len(ids) + max_new_tokens) != bucket(len(ids) + n_warm):
+        # The real run uses a longer cache: its prefill and decode are other shapes.
+        cache = init_cache(run.cfg, 1, bucket(len(ids) + max_new_tokens))
+        _, cache = forward(run.params, run.cfg, np.asarray([ids], np.int32), cache, 0, run.expert_fn)
+        logits, _ = forward(
+            run.params, run.cfg, np.asarray([ids[-1:]], np.int32), cache, len(ids), run.expert_fn
+        )
+        logits.block_until_ready()
+    return time.perf_counter() - t0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from hmoe_jax.model.generate import generate
+
+    if args.max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise InputError(
+            f"need --temperature >= 0 and 0 < --top-p <= 1, got {args.temperature} and {args.top_p}"
+        )
+    run = build_run(args)
+    ids = prompt_ids(args, run)
+    check_context(
+        len(ids),
+        args.max_new_tokens,
+        run.max_context,
+        "" if args.tokens else f" from --prompt via {run.tokenizer.name}",
+    )
+    temperature, top_p = float(args.temperature), float(args.top_p)
+    warmup_s = 0.0 if args.no_warmup else _warmup(run, ids, args.max_new_tokens, temperature, top_p)
+    res = generate(
+        run.params,
+        run.cfg,
+        ids,
+        args.max_new_tokens,
+        expert_fn=run.expert_fn,
+        temperature=temperature,
+        top_p=top_p,
+        seed=args.seed,
+        stop_ids=() if args.ignore_eos else None,
+    )
+    text = run.tokenizer.decode(res.tokens)
+    tpot_s = res.tpot_s
+    print(text)
+    rate = f", {1.0 / tpot_s:.1f} tokens/s" if math.isfinite(tpot_s) and tpot_s > 0 else ""
+    print(
+        f"[{run.model}] prompt {len(ids)} tokens, generated {len(res.tokens)}; "
+        f"TTFT {res.ttft_s * 1e3:.1f} ms, decode {tpot_s * 1e3:.2f} ms/token (median){rate}"
+        + (f"; warmup/compile {warmup_s:.2f} s" if warmup_s else "")
+    )
+    if args.json:
+        record = {
+            "model": run.model,
+            "checkpoint": str(run.checkpoint),
+            "tokenizer": run.tokenizer.name,
+            "prompt_tokens": len(ids),
+            "prompt_ids": ids,
+            "tokens": res.tokens,
+            "text": text,
+            "ttft_s": res.ttft_s,
+            "tpot_s": tpot_s if math.isfinite(tpot_s) else None,
+            "decode_s": res.decode_s,
+            "warmup_s": warmup_s,
+            "temperature": temperature,
+            "top_p": top_p,
+            "seed": args.seed,
+        }
+        print(json.dumps(record))
+    return 0
+
+
+def cmd_logits(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from hmoe_jax.model.generate import teacher_forced_logits
+
+    ids = parse_tokens(args.tokens)
+    run = build_run(args)
+    check_ids(ids, run.cfg.vocab_size, "--tokens")
+    check_context(len(ids), 0, run.max_context, "")
+    logits = np.asarray(teacher_forced_logits(run.params, run.cfg, ids, run.expert_fn), np.float32)  # [T, V]
+    np.save(args.out, logits)
+    print(f"wrote {args.out}: float32 {list(logits.shape)} logits ({run.model})")
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from hmoe_jax.io.writer import convert_checkpoint
+
+    if args.shard_bytes is not None and args.shard_bytes <= 0:
+        raise InputError(f"--shard-bytes must be > 0, got {args.shard_bytes}")
+    convert_checkpoint(
+        args.checkpoint, args.out, fmt=args.format, shard_bytes=args.shard_bytes, progress=not args.quiet
+    )
+    print(f"wrote {args.out} ({args.format})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from hmoe_jax.io.writer import DEFAULT_CONVERT_SHARD_BYTES, FORMATS
+
+    ap = argparse.ArgumentParser(
+        prog="hmoe", description="CPU-GPU hybrid MoE inference (DeepSeek-V3 / Kimi-K2) in JAX"
+    )
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text or token ids")
+    add_run_args(g)
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (tokenized with the checkpoint's tokenizer.json or bytes)")
+    src.add_argument("--tokens", help="prompt token ids, comma-separated")
+    g.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at the config's eos_token_id")
+    g.add_argument("--no-warmup", action="store_true", help="include XLA compilation in TTFT/decode times")
+    g.add_argument("--json", action="store_true", help="end stdout with one JSON line")
+    g.set_defaults(func=cmd_generate)
+
+    lg = sub.add_parser("logits", help="teacher-forced logits of every position")
+    add_run_args(lg)
+    lg.add_argument("--tokens", required=True, help="token ids, comma-separated")
+    lg.add_argument("--out", type=Path, required=True, help="output .npy, float32 [T, vocab]")
+    lg.set_defaults(func=cmd_logits)
+
+    cv = sub.add_parser("convert", help="convert a checkpoint (e.g. bf16/f32 -> DeepSeek FP8)")
+    cv.add_argument("--checkpoint", type=Path, required=True, help="input checkpoint dir")
+    cv.add_argument("--out", type=Path, required=True, help="output checkpoint dir")
+    cv.add_argument("--format", choices=sorted(FORMATS), default="fp8")
+    cv.add_argument(
+        "--shard-bytes", type=int, default=DEFAULT_CONVERT_SHARD_BYTES, help="max bytes per shard"
+    )
+    cv.add_argument("--quiet", action="store_true")
+    cv.set_defaults(func=cmd_convert)
+    return ap
+
+
+def enable_compilation_cache() -> None:
+    """Persist XLA executables under the hmoe cache (HMOE_XLA_CACHE=0 disables), so a
+    second `hmoe generate` skips the tens of seconds of compilation the first one pays."""
+    if os.environ.get("HMOE_XLA_CACHE", "1") == "0":
+        return
+    import jax
+
+    from hmoe_jax.io.synthetic import cache_root
+
+    jax.config.update("jax_compilation_cache_dir", str(cache_root() / "xla"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point. argv None means a real command line: then the persistent compilation
+    cache is enabled (in-process callers such as tests keep their own jax settings)."""
+    args = build_parser().parse_args(argv)
+    if argv is None:
+        enable_compilation_cache()
+    try:
+        return args.func(args)
+    except (ConfigError, CheckpointError, InputError) as e:
+        print(f"hmoe: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # unwritable --out, permission errors: the message names the path
+        print(f"hmoe: error: {e.strerror or e}: {e.filename or ''}".rstrip(": "), file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
