@@ -45,10 +45,11 @@ def smallep_moe(
     axis: str,
     n_ranks: int,
     expert_fn: ExpertFn = experts_ref,
-) -> jax.Array:
+) -> tuple[jax.Array, jax.Array]:
     """SmallEP: all-gather the unsorted hidden states, repeat gating for all tokens, compute
     the local experts, one weighted partial per token, reduce-scatter the partials back to
-    the sequence owners. The shared expert runs on the owners. [T_l, D] -> [T_l, D]"""
+    the sequence owners. The shared expert runs on the owners.
+    x_local [T_l, D] -> (out [T_l, D], ids of the local tokens [T_l, k] for accounting)"""
     el = _local_experts(cfg, n_ranks)
     x_all = lax.all_gather(x_local, axis, tiled=True)  # [T, D], the ranks' shards in rank order
     ids, w = route(moe, cfg, x_all)  # [T, k]: every rank routes every token (cheap, duplicated)
@@ -56,7 +57,8 @@ def smallep_moe(
     mine = (local >= 0) & (local < el)
     partial = expert_fn(x_all, jnp.where(mine, local, 0), jnp.where(mine, w, 0.0), moe.experts)  # [T, D]
     routed = lax.psum_scatter(partial, axis, scatter_dimension=0, tiled=True)  # [T_l, D]
-    return routed + _shared(moe, x_local)
+    own_ids = lax.dynamic_slice_in_dim(ids, lax.axis_index(axis) * x_local.shape[0], x_local.shape[0])
+    return routed + _shared(moe, x_local), own_ids
 
 
 def ep_moe(
@@ -68,14 +70,14 @@ def ep_moe(
     n_ranks: int,
     capacity: int | None = None,
     expert_fn: ExpertFn = experts_ref,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Standard EP: route on the owner, dispatch each (token, expert) pair to the expert's
     owner with all_to_all (pairs sorted by destination into fixed [N, capacity] buffers),
     compute, all_to_all the results back, weighted sum on the owner.
 
     capacity: pair slots per (source, destination); None gives T_l k, which no routing can
-    overflow (exactness over buffer size). Returns (out [T_l, D], pairs dropped on all ranks [] int32):
-    the caller must treat dropped > 0 as an error."""
+    overflow (exactness over buffer size). Returns (out [T_l, D], ids [T_l, k], pairs dropped on all
+    ranks [] int32): the caller must treat dropped > 0 as an error."""
     el = _local_experts(cfg, n_ranks)
     t_l, d = x_local.shape
     ids, w = route(moe, cfg, x_local)  # [T_l, k]
@@ -104,4 +106,4 @@ def ep_moe(
     back = lax.all_to_all(y.reshape(n_ranks, cap, d), axis, 0, 0).reshape(n_ranks * cap, d)
     y_pairs = jnp.where(kept[:, None], back[jnp.minimum(slot, n_ranks * cap - 1)], 0.0)  # [P, D]
     routed = jnp.einsum("tk,tkd->td", w, y_pairs.reshape(t_l, k, d))
-    return routed + _shared(moe, x_local), dropped
+    return routed + _shared(moe, x_local), ids, dropped
