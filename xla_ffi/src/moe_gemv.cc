@@ -1,0 +1,62 @@
+// Adapter from the MoE scheduler to the GEMV kernels of gemm_kernels.h.
+#include "moe_gemv.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+namespace hmoe {
+namespace {
+
+Fp8Matrix as_fp8(const ExpertMatrix& w) {
+  Fp8Matrix f;
+  f.w = w.q;
+  f.scale = static_cast<const float*>(w.scale);
+  f.n = w.n;
+  f.k = w.k;
+  return f;  // DeepSeek's 128 x 128 blocks
+}
+
+Int4Matrix as_int4(const ExpertMatrix& w) {
+  Int4Matrix f;
+  f.q = w.q;
+  f.scale = static_cast<const uint16_t*>(w.scale);
+  f.n = w.n;
+  f.k = w.k;
+  f.group = w.group_size;
+  return f;
+}
+
+}  // namespace
+
+int64_t expert_matrix_bytes(const ExpertMatrix& w) {
+  if (w.format == WeightFormat::kFp8) return w.n * w.k + ((w.n + 127) / 128) * ((w.k + 127) / 128) * 4;
+  return w.n * (w.k / 2) + w.n * (w.k / w.group_size) * 2;
+}
+
+std::string check_expert_matrix(const ExpertMatrix& w) {
+  return w.format == WeightFormat::kFp8 ? check_fp8(as_fp8(w)) : check_int4(as_int4(w));
+}
+
+void expert_gemv(const ExpertMatrix& w, Isa isa, const uint16_t* xp, int64_t m, int64_t n0,
+                 int64_t n1, float* y, int64_t ldy) {
+  if (w.format == WeightFormat::kFp8) fp8_gemm_rows(isa, xp, m, as_fp8(w), n0, n1, y, ldy);
+  else int4_gemm_rows(isa, xp, m, as_int4(w), n0, n1, y, ldy);
+}
+
+void silu_mul_pack(Isa isa, WeightFormat fmt, const float* g, const float* u, int64_t c0,
+                   int64_t c1, uint16_t* hp) {
+  constexpr int64_t kChunk = 64;
+  uint16_t h[kChunk];
+  for (int64_t c = c0; c < c1; c += kChunk) {
+    const int64_t n = std::min(kChunk, c1 - c);
+    for (int64_t i = 0; i < n; ++i) {
+      const float gv = g[c - c0 + i];
+      h[i] = f32_to_bf16_rne(gv / (1.0f + std::exp(-gv)) * u[c - c0 + i]);
+    }
+    // One 64-chunk at a time: a partial last chunk gets the kernels' zero padding.
+    pack_x_bf16(isa, fmt, h, 1, n, n, hp + c);
+  }
+}
+
+}  // namespace hmoe
