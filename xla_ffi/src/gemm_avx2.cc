@@ -1,0 +1,187 @@
+// AVX2 + FMA + F16C FP8 and INT4 GEMV kernels (CPUs without AVX-512-BF16).
+//
+// FP8: an e4m3 code becomes an f16 with the same bits in the right place:
+// f16 = (sign_extend(code) << 7) & 0xBF80 puts the sign at bit 15, the 4 exponent bits
+// at the low end of f16's 5-bit exponent and the 3 mantissa bits on top of its 10-bit
+// mantissa. As f16 that is the e4m3 value times 2^-8 for normals AND subnormals (f16's
+// bias is 8 more than e4m3's), so vcvtph2ps gives exact f32 and the 2^8 is folded into
+// the block scale. The NaN magnitude (0x7F) would read as 1.875, so it is patched to an
+// f16 NaN first. Products with bf16-rounded x are exact in f32; FMA accumulates.
+// INT4: nibbles -> int8 by vpshufb -> int32 -> f32, FMA.
+// Anonymous namespace throughout: this file has AVX2 flags (see gemm_avx512.cc).
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "gemm_kernels.h"
+
+namespace hmoe {
+namespace {
+
+// 16 codes -> 16 f16 (as 16-bit lanes) = value * 2^-8.
+inline __m256i fp8_to_f16(__m128i codes) {
+  __m256i h = _mm256_slli_epi16(_mm256_cvtepi8_epi16(codes), 7);
+  h = _mm256_and_si256(h, _mm256_set1_epi16(static_cast<short>(0xBF80)));
+  const __m256i mag = _mm256_and_si256(h, _mm256_set1_epi16(0x3F80));
+  const __m256i nan = _mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x3F80));
+  return _mm256_or_si256(h, _mm256_and_si256(nan, _mm256_set1_epi16(0x7E00)));
+}
+
+// 8 packed bf16 activations -> 8 f32.
+inline __m256 bf16x8(const uint16_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <int R, int MB>
+void fp8_tile(const uint16_t* xp, int64_t ks, const Fp8Matrix& w, int64_t r0, float* y,
+              int64_t ldy, int64_t n_end) {
+  const int64_t nkb = (w.k + w.block_k - 1) / w.block_k;
+  const uint8_t* rows[R];
+  const float* srow[R];
+  for (int r = 0; r < R; ++r) {
+    rows[r] = w.w + (r0 + r) * w.k;
+    srow[r] = w.scale + ((r0 + r) / w.block_n) * nkb;
+  }
+  const uint8_t* pf = w.w + std::min(r0 + R, n_end - 1) * w.k;
+  __m256 tot[R][MB];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < MB; ++i) tot[r][i] = _mm256_setzero_ps();
+  for (int64_t kb = 0; kb < nkb; ++kb) {
+    const int64_t k0 = kb * w.block_k, k1 = std::min(w.k, k0 + w.block_k);
+    __m256 acc[R][MB];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < MB; ++i) acc[r][i] = _mm256_setzero_ps();
+    for (int64_t c = k0; c < k1; c += 16) {
+      if ((c & 63) == 0)
+        for (int r = 0; r < R; ++r)
+          _mm_prefetch(reinterpret_cast<const char*>(pf + r * w.k + c), _MM_HINT_T0);
+      __m256 x0[MB], x1[MB];
+      for (int i = 0; i < MB; ++i) {
+        x0[i] = bf16x8(xp + i * ks + c);  // x is zero padded to a multiple of 64
+        x1[i] = bf16x8(xp + i * ks + c + 8);
+      }
+      for (int r = 0; r < R; ++r) {
+        __m128i codes;
+        if (c + 16 <= k1) {
+          codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[r] + c));
+        } else {  // partial last chunk: never read past the row (it may end the buffer)
+          alignas(16) uint8_t tmp[16] = {0};
+          std::memcpy(tmp, rows[r] + c, k1 - c);
+          codes = _mm_load_si128(reinterpret_cast<const __m128i*>(tmp));
+        }
+        const __m256i h = fp8_to_f16(codes);
+        const __m256 w0 = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+        const __m256 w1 = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+        for (int i = 0; i < MB; ++i) {
+          acc[r][i] = _mm256_fmadd_ps(w0, x0[i], acc[r][i]);
+          acc[r][i] = _mm256_fmadd_ps(w1, x1[i], acc[r][i]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 s = _mm256_set1_ps(srow[r][kb] * 256.0f);  // undo the f16 2^-8
+      for (int i = 0; i < MB; ++i) tot[r][i] = _mm256_fmadd_ps(acc[r][i], s, tot[r][i]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < MB; ++i) y[i * ldy + r0 + r] = hsum(tot[r][i]);
+}
+
+template <int R, int MB>
+void int4_tile(const uint16_t* xp, int64_t ks, const Int4Matrix& w, int64_t r0, float* y,
+               int64_t ldy, int64_t n_end) {
+  const __m256i lut = _mm256_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1,
+                                       0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
+  const __m256i low4 = _mm256_set1_epi8(0xF);
+  const int64_t ng = w.k / w.group, row_bytes = w.k / 2;
+  const uint8_t* rows[R];
+  const uint16_t* srow[R];
+  for (int r = 0; r < R; ++r) {
+    rows[r] = w.q + (r0 + r) * row_bytes;
+    srow[r] = w.scale + (r0 + r) * ng;
+  }
+  const uint8_t* pf = w.q + std::min(r0 + R, n_end - 1) * row_bytes;
+  __m256 tot[R][MB];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < MB; ++i) tot[r][i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    __m256 acc[R][MB];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < MB; ++i) acc[r][i] = _mm256_setzero_ps();
+    for (int64_t c = g * w.group; c < (g + 1) * w.group; c += 64) {
+      if ((c & 127) == 0)
+        for (int r = 0; r < R; ++r)
+          _mm_prefetch(reinterpret_cast<const char*>(pf + r * row_bytes + c / 2), _MM_HINT_T0);
+      for (int r = 0; r < R; ++r) {
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[r] + c / 2));
+        // q8[0..31]: chunk elements 0..31 (low nibbles); q8[32..63]: 32..63 (high)
+        const __m256i lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(b, low4));
+        const __m256i hi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(b, 4), low4));
+        const __m128i parts[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1),
+                                  _mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)};
+        for (int p = 0; p < 4; ++p) {
+          const __m256 wa = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[p]));
+          const __m256 wb = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(parts[p], 8)));
+          for (int i = 0; i < MB; ++i) {
+            const uint16_t* xr = xp + i * ks + c + 16 * p;
+            acc[r][i] = _mm256_fmadd_ps(wa, bf16x8(xr), acc[r][i]);
+            acc[r][i] = _mm256_fmadd_ps(wb, bf16x8(xr + 8), acc[r][i]);
+          }
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 s = _mm256_set1_ps(bf16_to_f32(srow[r][g]));
+      for (int i = 0; i < MB; ++i) tot[r][i] = _mm256_fmadd_ps(acc[r][i], s, tot[r][i]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < MB; ++i) y[i * ldy + r0 + r] = hsum(tot[r][i]);
+}
+
+// R = 2 output rows x MB <= 2 activation rows: 8 accumulators of the 16 ymm registers.
+template <typename Matrix, typename Tile11, typename Tile12, typename Tile21, typename Tile22>
+void gemm_rows(const uint16_t* xp, int64_t m, const Matrix& w, int64_t n0, int64_t n1,
+               float* y, int64_t ldy, Tile11 t11, Tile12 t12, Tile21 t21, Tile22 t22) {
+  const int64_t ks = packed_x_stride(w.k);
+  int64_t r = n0;
+  for (; r + 2 <= n1; r += 2)
+    for (int64_t i0 = 0; i0 < m; i0 += 2) {
+      if (m - i0 >= 2)
+        t22(xp + i0 * ks, ks, w, r, y + i0 * ldy, ldy, n1);
+      else
+        t21(xp + i0 * ks, ks, w, r, y + i0 * ldy, ldy, n1);
+    }
+  for (; r < n1; ++r)
+    for (int64_t i0 = 0; i0 < m; i0 += 2) {
+      if (m - i0 >= 2)
+        t12(xp + i0 * ks, ks, w, r, y + i0 * ldy, ldy, n1);
+      else
+        t11(xp + i0 * ks, ks, w, r, y + i0 * ldy, ldy, n1);
+    }
+}
+
+}  // namespace
+
+void fp8_gemm_rows_avx2(const uint16_t* xp, int64_t m, const Fp8Matrix& w, int64_t n0,
+                        int64_t n1, float* y, int64_t ldy) {
+  gemm_rows(xp, m, w, n0, n1, y, ldy, fp8_tile<1, 1>, fp8_tile<1, 2>, fp8_tile<2, 1>,
+            fp8_tile<2, 2>);
+}
+
+void int4_gemm_rows_avx2(const uint16_t* xp, int64_t m, const Int4Matrix& w, int64_t n0,
+                         int64_t n1, float* y, int64_t ldy) {
+  gemm_rows(xp, m, w, n0, n1, y, ldy, int4_tile<1, 1>, int4_tile<1, 2>, int4_tile<2, 1>,
+            int4_tile<2, 2>);
+}
+
+}  // namespace hmoe

@@ -1,0 +1,265 @@
+// AVX-512 (F/BW/VL/VBMI/BF16) FP8 and INT4 GEMV/GEMM kernels, the paper's technique 4.
+//
+// FP8: 64 e4m3 codes (one cache line) are expanded to 64 bf16 lanes in registers with two
+// VBMI byte permutes (vpermi2b over 128-entry tables: the high and the low byte of the
+// exact bf16 value of the code's magnitude), the sign bit OR'ed back, and the bytes
+// interleaved into words; vdpbf16ps accumulates into f32; the block scale is applied
+// once per 128-block (one FMA per accumulator). No f32/bf16 weight copy is ever stored.
+// NaN codes (0x7F/0xFF) decode to a bf16 quiet NaN (sign kept), so a NaN weight makes
+// its outputs NaN, as dequantize-then-dot does.
+// INT4: 64 nibbles (32 bytes) -> zero-extended words -> low/high nibble -> vpermw into a
+// 16-entry bf16 table of the int4 values -> vdpbf16ps; group scale once per group.
+//
+// Tiling: R output rows x MB activation rows per register tile (MB <= 4); larger M loops
+// over activation chunks inside one row tile, so the tile's weights are re-read from L1,
+// not DRAM. Software prefetch pulls the next row tile's lines while this one runs.
+// Everything here is in an anonymous namespace: this file is compiled with AVX-512
+// flags, and a shared inline template would risk generic code calling AVX-512 code.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "gemm_kernels.h"
+
+namespace hmoe {
+namespace {
+
+struct Fp8Tables {
+  __m512i hi0, hi1, lo0, lo1;  // bf16 high/low bytes of |code|, codes 0-63 and 64-127
+};
+
+Fp8Tables make_fp8_tables() {
+  alignas(64) uint8_t hi[128], lo[128];
+  for (int c = 0; c < 128; ++c) {
+    const uint16_t b = f32_to_bf16_rne(fp8_e4m3_to_f32(static_cast<uint8_t>(c)));
+    hi[c] = static_cast<uint8_t>(b >> 8);
+    lo[c] = static_cast<uint8_t>(b & 0xFF);
+  }
+  Fp8Tables t;
+  t.hi0 = _mm512_load_si512(hi);
+  t.hi1 = _mm512_load_si512(hi + 64);
+  t.lo0 = _mm512_load_si512(lo);
+  t.lo1 = _mm512_load_si512(lo + 64);
+  return t;
+}
+
+const Fp8Tables& fp8_tables() {
+  static const Fp8Tables t = make_fp8_tables();
+  return t;
+}
+
+// 64 codes -> two bf16 vectors (A: chunk elements {0-7,16-23,32-39,48-55}, B: the rest;
+// pack_x permutes x the same way).
+inline void decode_fp8(__m512i codes, const Fp8Tables& t, __m512i sign, __m512i& a,
+                       __m512i& b) {
+  __m512i hi = _mm512_permutex2var_epi8(t.hi0, codes, t.hi1);  // index: low 7 bits
+  hi = _mm512_ternarylogic_epi32(hi, codes, sign, 0xF8);      // hi | (codes & 0x80)
+  const __m512i lo = _mm512_permutex2var_epi8(t.lo0, codes, t.lo1);
+  a = _mm512_unpacklo_epi8(lo, hi);
+  b = _mm512_unpackhi_epi8(lo, hi);
+}
+
+inline __m512 dp(__m512 acc, __m512i w, __m512i x) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(w), reinterpret_cast<__m512bh>(x));
+}
+
+// Horizontal sum (GCC 12's _mm512_reduce_add_ps trips -Wuninitialized in its header).
+inline float hsum(__m512 v) {
+  const __m256 h = _mm256_add_ps(_mm512_extractf32x8_ps(v, 0), _mm512_extractf32x8_ps(v, 1));
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Lines of the next row tile to prefetch per 64-byte chunk of this one.
+constexpr int64_t kPrefetchRows = 1;
+
+template <int R, int MB>
+void fp8_tile(const uint16_t* xp, int64_t ks, const Fp8Matrix& w, int64_t r0, float* y,
+              int64_t ldy, int64_t n_end) {
+  const Fp8Tables& t = fp8_tables();
+  const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int64_t nkb = (w.k + w.block_k - 1) / w.block_k;
+  const uint8_t* rows[R];
+  const float* srow[R];
+  for (int r = 0; r < R; ++r) {
+    rows[r] = w.w + (r0 + r) * w.k;
+    srow[r] = w.scale + ((r0 + r) / w.block_n) * nkb;
+  }
+  // Next tile's rows (clamped to the slice) for prefetch.
+  const int64_t pf_row = std::min(r0 + R * kPrefetchRows, n_end - 1);
+  const uint8_t* pf = w.w + pf_row * w.k;
+  __m512 tot[R][MB];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < MB; ++i) tot[r][i] = _mm512_setzero_ps();
+  for (int64_t kb = 0; kb < nkb; ++kb) {
+    const int64_t k0 = kb * w.block_k, k1 = std::min(w.k, k0 + w.block_k);
+    __m512 acc[R][MB];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < MB; ++i) acc[r][i] = _mm512_setzero_ps();
+    for (int64_t c = k0; c < k1; c += 64) {
+      const int64_t len = std::min<int64_t>(64, k1 - c);
+      const __mmask64 mask = len == 64 ? ~0ull : ((1ull << len) - 1);
+      __m512i xa[MB], xb[MB];
+      for (int i = 0; i < MB; ++i) {
+        xa[i] = _mm512_loadu_si512(xp + i * ks + c);
+        xb[i] = _mm512_loadu_si512(xp + i * ks + c + 32);
+      }
+      for (int r = 0; r < R; ++r) {
+        _mm_prefetch(reinterpret_cast<const char*>(pf + r * w.k + c), _MM_HINT_T0);
+        const __m512i codes = _mm512_maskz_loadu_epi8(mask, rows[r] + c);
+        __m512i wa, wb;
+        decode_fp8(codes, t, sign, wa, wb);
+        for (int i = 0; i < MB; ++i) {
+          acc[r][i] = dp(acc[r][i], wa, xa[i]);
+          acc[r][i] = dp(acc[r][i], wb, xb[i]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 s = _mm512_set1_ps(srow[r][kb]);
+      for (int i = 0; i < MB; ++i) tot[r][i] = _mm512_fmadd_ps(acc[r][i], s, tot[r][i]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < MB; ++i) y[i * ldy + r0 + r] = hsum(tot[r][i]);
+}
+
+template <int R>
+void fp8_rows_mb(const uint16_t* xp, int64_t ks, int64_t mb, const Fp8Matrix& w, int64_t r0,
+                 float* y, int64_t ldy, int64_t n_end) {
+  switch (mb) {
+    case 1: return fp8_tile<R, 1>(xp, ks, w, r0, y, ldy, n_end);
+    case 2: return fp8_tile<R, 2>(xp, ks, w, r0, y, ldy, n_end);
+    case 3: return fp8_tile<R, 3>(xp, ks, w, r0, y, ldy, n_end);
+    default: return fp8_tile<R, 4>(xp, ks, w, r0, y, ldy, n_end);
+  }
+}
+
+// ---- INT4 ----
+
+inline __m512i int4_table() {
+  alignas(64) uint16_t v[32];
+  for (int i = 0; i < 32; ++i) {
+    const int q = ((i & 0xF) ^ 8) - 8;  // nibble -> two's-complement int4
+    v[i] = f32_to_bf16_rne(static_cast<float>(q));
+  }
+  return _mm512_load_si512(v);
+}
+
+template <int R, int MB>
+void int4_tile(const uint16_t* xp, int64_t ks, const Int4Matrix& w, int64_t r0, float* y,
+               int64_t ldy, int64_t n_end) {
+  const __m512i tbl = int4_table();
+  const __m512i low4 = _mm512_set1_epi16(0xF);
+  const int64_t ng = w.k / w.group, row_bytes = w.k / 2;
+  const uint8_t* rows[R];
+  const uint16_t* srow[R];
+  for (int r = 0; r < R; ++r) {
+    rows[r] = w.q + (r0 + r) * row_bytes;
+    srow[r] = w.scale + (r0 + r) * ng;
+  }
+  const int64_t pf_row = std::min(r0 + R, n_end - 1);
+  const uint8_t* pf = w.q + pf_row * row_bytes;
+  __m512 tot[R][MB];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < MB; ++i) tot[r][i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    __m512 acc[R][MB];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < MB; ++i) acc[r][i] = _mm512_setzero_ps();
+    for (int64_t c = g * w.group; c < (g + 1) * w.group; c += 64) {
+      __m512i xlo[MB], xhi[MB];
+      for (int i = 0; i < MB; ++i) {
+        xlo[i] = _mm512_loadu_si512(xp + i * ks + c);
+        xhi[i] = _mm512_loadu_si512(xp + i * ks + c + 32);
+      }
+      // one 64-byte line holds two chunks: prefetch once per line
+      if ((c & 127) == 0)
+        for (int r = 0; r < R; ++r)
+          _mm_prefetch(reinterpret_cast<const char*>(pf + r * row_bytes + c / 2), _MM_HINT_T0);
+      for (int r = 0; r < R; ++r) {
+        const __m256i bytes =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[r] + c / 2));
+        const __m512i words = _mm512_cvtepu8_epi16(bytes);
+        const __m512i wlo = _mm512_permutexvar_epi16(_mm512_and_si512(words, low4), tbl);
+        const __m512i whi = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), tbl);
+        for (int i = 0; i < MB; ++i) {
+          acc[r][i] = dp(acc[r][i], wlo, xlo[i]);
+          acc[r][i] = dp(acc[r][i], whi, xhi[i]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 s = _mm512_set1_ps(bf16_to_f32(srow[r][g]));
+      for (int i = 0; i < MB; ++i) tot[r][i] = _mm512_fmadd_ps(acc[r][i], s, tot[r][i]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < MB; ++i) y[i * ldy + r0 + r] = hsum(tot[r][i]);
+}
+
+template <int R>
+void int4_rows_mb(const uint16_t* xp, int64_t ks, int64_t mb, const Int4Matrix& w, int64_t r0,
+                  float* y, int64_t ldy, int64_t n_end) {
+  switch (mb) {
+    case 1: return int4_tile<R, 1>(xp, ks, w, r0, y, ldy, n_end);
+    case 2: return int4_tile<R, 2>(xp, ks, w, r0, y, ldy, n_end);
+    case 3: return int4_tile<R, 3>(xp, ks, w, r0, y, ldy, n_end);
+    default: return int4_tile<R, 4>(xp, ks, w, r0, y, ldy, n_end);
+  }
+}
+
+// Row tiles of R (R = 4 when m <= 2: more independent streams; else 2 to keep R * MB * 2
+// accumulators in 32 registers), activation chunks of 4 inside each tile.
+template <typename Matrix, typename Rows4, typename Rows2, typename Rows1>
+void gemm_rows(const uint16_t* xp, int64_t m, const Matrix& w, int64_t n0, int64_t n1,
+               float* y, int64_t ldy, Rows4 rows4, Rows2 rows2, Rows1 rows1) {
+  const int64_t ks = packed_x_stride(w.k);
+  const int R = m <= 2 ? 4 : 2;
+  int64_t r = n0;
+  for (; r + R <= n1; r += R)
+    for (int64_t i0 = 0; i0 < m; i0 += 4) {
+      const int64_t mb = std::min<int64_t>(4, m - i0);
+      if (R == 4)
+        rows4(xp + i0 * ks, ks, mb, w, r, y + i0 * ldy, ldy, n1);
+      else
+        rows2(xp + i0 * ks, ks, mb, w, r, y + i0 * ldy, ldy, n1);
+    }
+  for (; r < n1; ++r)
+    for (int64_t i0 = 0; i0 < m; i0 += 4)
+      rows1(xp + i0 * ks, ks, std::min<int64_t>(4, m - i0), w, r, y + i0 * ldy, ldy, n1);
+}
+
+}  // namespace
+
+void fp8_gemm_rows_avx512(const uint16_t* xp, int64_t m, const Fp8Matrix& w, int64_t n0,
+                          int64_t n1, float* y, int64_t ldy) {
+  gemm_rows(xp, m, w, n0, n1, y, ldy, fp8_rows_mb<4>, fp8_rows_mb<2>, fp8_rows_mb<1>);
+}
+
+void int4_gemm_rows_avx512(const uint16_t* xp, int64_t m, const Int4Matrix& w, int64_t n0,
+                           int64_t n1, float* y, int64_t ldy) {
+  gemm_rows(xp, m, w, n0, n1, y, ldy, int4_rows_mb<4>, int4_rows_mb<2>, int4_rows_mb<1>);
+}
+
+uint64_t read_sum_avx512(const uint8_t* p, int64_t nbytes) {
+  __m512i s0 = _mm512_setzero_si512(), s1 = s0, s2 = s0, s3 = s0;
+  int64_t i = 0;
+  for (; i + 256 <= nbytes; i += 256) {
+    s0 = _mm512_add_epi64(s0, _mm512_loadu_si512(p + i));
+    s1 = _mm512_add_epi64(s1, _mm512_loadu_si512(p + i + 64));
+    s2 = _mm512_add_epi64(s2, _mm512_loadu_si512(p + i + 128));
+    s3 = _mm512_add_epi64(s3, _mm512_loadu_si512(p + i + 192));
+  }
+  const __m512i s = _mm512_add_epi64(_mm512_add_epi64(s0, s1), _mm512_add_epi64(s2, s3));
+  alignas(64) uint64_t lanes[8];
+  _mm512_store_si512(lanes, s);
+  uint64_t out = 0;
+  for (uint64_t v : lanes) out += v;
+  return out + read_sum_portable(p + i, nbytes - i);
+}
+
+}  // namespace hmoe

@@ -1,0 +1,216 @@
+// XLA FFI adapters for the GEMM kernels (gemm_kernels.h).
+//
+//   hmoe_fp8_gemm(x [..., K] f32|bf16, w [1.., N, K] f8e4m3fn|u8, scale [1.., ceil(N/bn),
+//                 ceil(K/bk)] f32) -> y [..., N] f32;  attrs max_isa, num_threads,
+//                 block_n, block_k
+//   hmoe_int4_gemm(x [..., K] f32|bf16, q [1.., N, K/2] u8, scale [1.., N, K/group] bf16|u16)
+//                 -> y [..., N] f32;  attrs max_isa, num_threads
+// Leading dims of x are flattened into M; weights may carry leading size-1 dims (what
+// vmap_method="expand_dims" adds). Every error names its operand.
+#include <algorithm>
+#include <atomic>
+#include <string>
+#include <vector>
+
+#include "gemm_kernels.h"
+#include "registry.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace hmoe {
+namespace {
+
+std::string dims_str(ffi::AnyBuffer b) {
+  std::string s = "[";
+  auto d = b.dimensions();
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+std::string dtype_str(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: return "float32";
+    case ffi::DataType::BF16: return "bfloat16";
+    case ffi::DataType::F16: return "float16";
+    case ffi::DataType::U8: return "uint8";
+    case ffi::DataType::U16: return "uint16";
+    case ffi::DataType::S8: return "int8";
+    case ffi::DataType::F8E4M3FN: return "float8_e4m3fn";
+    default: return "dtype#" + std::to_string(static_cast<int>(t));
+  }
+}
+
+// max_isa attribute: -1 = best available, else 0 portable, 1 AVX2, 2 AVX-512, 3 AMX.
+Isa requested_isa(int64_t max_isa) {
+  return gemm_isa(static_cast<Isa>(max_isa < 0 ? 3 : std::min<int64_t>(max_isa, 3)));
+}
+
+ffi::Error invalid(const std::string& msg) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, msg);
+}
+
+// The last two dims of a weight-like operand, after checking the leading ones are 1.
+ffi::Error matrix_dims(const char* op, const char* name, ffi::AnyBuffer b, int64_t& rows,
+                       int64_t& cols) {
+  auto d = b.dimensions();
+  if (d.size() < 2)
+    return invalid(std::string(op) + ": " + name + " must have rank >= 2, got shape " +
+                   dims_str(b));
+  for (size_t i = 0; i + 2 < d.size(); ++i)
+    if (d[i] != 1)
+      return invalid(std::string(op) + ": " + name +
+                     " leading dims must be 1 (one matrix per call), got shape " + dims_str(b));
+  rows = d[d.size() - 2];
+  cols = d[d.size() - 1];
+  return ffi::Error::Success();
+}
+
+struct Activations {
+  int64_t m = 0, k = 0;
+  std::vector<uint16_t> packed;  // [m, packed_x_stride(k)]
+};
+
+ffi::Error pack_activations(const char* op, Isa isa, WeightFormat fmt, ffi::AnyBuffer x,
+                            int64_t k_expected, Activations& out) {
+  auto d = x.dimensions();
+  if (d.size() < 1 || d[d.size() - 1] != k_expected)
+    return invalid(std::string(op) + ": x shape " + dims_str(x) + " must end in K=" +
+                   std::to_string(k_expected) + " (the weight's input dim)");
+  const auto t = x.element_type();
+  if (t != ffi::DataType::F32 && t != ffi::DataType::BF16)
+    return invalid(std::string(op) + ": x dtype must be float32 or bfloat16, got " +
+                   dtype_str(t));
+  out.k = k_expected;
+  out.m = 1;
+  for (size_t i = 0; i + 1 < d.size(); ++i) out.m *= d[i];
+  out.packed.resize(std::max<int64_t>(1, out.m * packed_x_stride(out.k)));
+  if (t == ffi::DataType::F32)
+    pack_x_f32(isa, fmt, static_cast<const float*>(x.untyped_data()), out.m, out.k, out.k,
+               out.packed.data());
+  else
+    pack_x_bf16(isa, fmt, static_cast<const uint16_t*>(x.untyped_data()), out.m, out.k, out.k,
+                out.packed.data());
+  return ffi::Error::Success();
+}
+
+// Output rows per task: about 8 tasks per thread so that work stealing can even out a
+// core taken by a neighbour, but at least 16 rows (a task costs ~1 us to hand out).
+int64_t rows_per_task(int64_t n, int threads) {
+  const int64_t want = std::max<int64_t>(1, int64_t(threads) * 8);
+  int64_t rows = (n + want - 1) / want;
+  rows = std::max<int64_t>(16, (rows + 3) / 4 * 4);
+  return rows;
+}
+
+template <typename RowsFn>
+void run_rows(int64_t n, int64_t num_threads, RowsFn rows_fn) {
+  const int threads = num_threads <= 0 ? hardware_threads() : static_cast<int>(num_threads);
+  const int64_t step = rows_per_task(n, threads);
+  const int64_t tasks = (n + step - 1) / step;
+  parallel_for(tasks, threads, [&](int64_t t) {
+    const int64_t n0 = t * step;
+    rows_fn(n0, std::min(n, n0 + step));
+  });
+}
+
+ffi::Error Fp8GemmImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale,
+                       ffi::Result<ffi::AnyBuffer> y, int64_t max_isa, int64_t num_threads,
+                       int64_t block_n, int64_t block_k) {
+  const char* op = "hmoe_fp8_gemm";
+  if (w.element_type() != ffi::DataType::F8E4M3FN && w.element_type() != ffi::DataType::U8)
+    return invalid(std::string(op) + ": w dtype must be float8_e4m3fn (or its uint8 bits), got " +
+                   dtype_str(w.element_type()));
+  if (scale.element_type() != ffi::DataType::F32)
+    return invalid(std::string(op) + ": scale dtype must be float32, got " +
+                   dtype_str(scale.element_type()));
+  Fp8Matrix mat;
+  if (auto e = matrix_dims(op, "w", w, mat.n, mat.k); e.failure()) return e;
+  mat.block_n = block_n;
+  mat.block_k = block_k;
+  if (auto msg = check_fp8(mat); !msg.empty()) return invalid(std::string(op) + ": " + msg);
+  int64_t snb = 0, skb = 0;
+  if (auto e = matrix_dims(op, "scale", scale, snb, skb); e.failure()) return e;
+  const int64_t enb = (mat.n + block_n - 1) / block_n, ekb = (mat.k + block_k - 1) / block_k;
+  if (snb != enb || skb != ekb)
+    return invalid(std::string(op) + ": scale grid " + dims_str(scale) + " does not match w " +
+                   dims_str(w) + " with blocks " + std::to_string(block_n) + "x" +
+                   std::to_string(block_k) + ": expected [" + std::to_string(enb) + ", " +
+                   std::to_string(ekb) + "]");
+  mat.w = static_cast<const uint8_t*>(w.untyped_data());
+  mat.scale = static_cast<const float*>(scale.untyped_data());
+  const Isa isa = requested_isa(max_isa);
+  Activations a;
+  if (auto e = pack_activations(op, isa, WeightFormat::kFp8, x, mat.k, a); e.failure()) return e;
+  if (y->element_count() != static_cast<size_t>(a.m * mat.n) ||
+      y->element_type() != ffi::DataType::F32)
+    return invalid(std::string(op) + ": result must be float32 with M*N elements, got shape " +
+                   dims_str(*y));
+  float* out = static_cast<float*>(y->untyped_data());
+  run_rows(mat.n, num_threads, [&](int64_t n0, int64_t n1) {
+    fp8_gemm_rows(isa, a.packed.data(), a.m, mat, n0, n1, out, mat.n);
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error Int4GemmImpl(ffi::AnyBuffer x, ffi::AnyBuffer q, ffi::AnyBuffer scale,
+                        ffi::Result<ffi::AnyBuffer> y, int64_t max_isa, int64_t num_threads) {
+  const char* op = "hmoe_int4_gemm";
+  if (q.element_type() != ffi::DataType::U8)
+    return invalid(std::string(op) + ": q dtype must be uint8 (two int4 per byte), got " +
+                   dtype_str(q.element_type()));
+  if (scale.element_type() != ffi::DataType::BF16 && scale.element_type() != ffi::DataType::U16)
+    return invalid(std::string(op) + ": scale dtype must be bfloat16, got " +
+                   dtype_str(scale.element_type()));
+  Int4Matrix mat;
+  int64_t half_k = 0, sn = 0, sg = 0;
+  if (auto e = matrix_dims(op, "q", q, mat.n, half_k); e.failure()) return e;
+  if (auto e = matrix_dims(op, "scale", scale, sn, sg); e.failure()) return e;
+  mat.k = 2 * half_k;
+  if (sn != mat.n || sg <= 0 || mat.k % sg != 0)
+    return invalid(std::string(op) + ": scale shape " + dims_str(scale) + " does not match q " +
+                   dims_str(q) + ": expected [" + std::to_string(mat.n) +
+                   ", K/group] with K=" + std::to_string(mat.k));
+  mat.group = mat.k / sg;
+  if (auto msg = check_int4(mat); !msg.empty()) return invalid(std::string(op) + ": " + msg);
+  mat.q = static_cast<const uint8_t*>(q.untyped_data());
+  mat.scale = static_cast<const uint16_t*>(scale.untyped_data());
+  const Isa isa = requested_isa(max_isa);
+  Activations a;
+  if (auto e = pack_activations(op, isa, WeightFormat::kInt4, x, mat.k, a); e.failure())
+    return e;
+  if (y->element_count() != static_cast<size_t>(a.m * mat.n) ||
+      y->element_type() != ffi::DataType::F32)
+    return invalid(std::string(op) + ": result must be float32 with M*N elements, got shape " +
+                   dims_str(*y));
+  float* out = static_cast<float*>(y->untyped_data());
+  run_rows(mat.n, num_threads, [&](int64_t n0, int64_t n1) {
+    int4_gemm_rows(isa, a.packed.data(), a.m, mat, n0, n1, out, mat.n);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HmoeFp8Gemm, Fp8GemmImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("max_isa")
+                                  .Attr<int64_t>("num_threads")
+                                  .Attr<int64_t>("block_n")
+                                  .Attr<int64_t>("block_k"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HmoeInt4Gemm, Int4GemmImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("max_isa")
+                                  .Attr<int64_t>("num_threads"));
+HMOE_FFI_TARGET("hmoe_fp8_gemm", HmoeFp8Gemm);
+HMOE_FFI_TARGET("hmoe_int4_gemm", HmoeInt4Gemm);
+
+}  // namespace hmoe
