@@ -232,6 +232,8 @@ def load_checkpoint(
     stored. Raises ConfigError / CheckpointError with one-line messages."""
     t0 = time.perf_counter()
     root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: checkpoint directory not found")
     cfg = load_config(root / "config.json")
     cat = open_catalog(root)
     specs = validate(cfg, cat)
@@ -259,7 +261,8 @@ def load_checkpoint(
 
 
 def _note_unused(cfg: ModelConfig, cat: Catalog) -> None:
-    layers = sorted({int(t.split(".")[2]) for t in cat.unused if t.startswith("model.layers.")})
+    idx = [t.split(".")[2] for t in cat.unused if t.startswith("model.layers.")]
+    layers = sorted({int(i) for i in idx if i.isdigit() and int(i) >= cfg.num_hidden_layers})
     what = []
     if layers:
         what.append(f"layer(s) {layers} >= num_hidden_layers={cfg.num_hidden_layers} (MTP)")
