@@ -1,0 +1,62 @@
+"""Timing helpers for a shared, noisy machine: repeat, interleave variants, take medians."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TimingStats:
+    median_s: float
+    best_s: float
+    worst_s: float
+    n: int
+
+    @staticmethod
+    def of(samples_s: list[float]) -> TimingStats:
+        return TimingStats(statistics.median(samples_s), min(samples_s), max(samples_s), len(samples_s))
+
+    def as_dict(self) -> dict[str, float]:
+        return {"median_s": self.median_s, "best_s": self.best_s, "worst_s": self.worst_s, "n": self.n}
+
+
+def _time_once(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    out = fn()
+    if hasattr(out, "block_until_ready"):
+        out.block_until_ready()
+    return time.perf_counter() - t0
+
+
+def median_time(fn: Callable[[], object], repeats: int = 7, warmup: int = 1) -> TimingStats:
+    """Median (and best/worst) wall time of fn() over `repeats` calls after `warmup`.
+    fn's result is waited for (block_until_ready) when it is a jax array."""
+    for _ in range(warmup):
+        _time_once(fn)
+    return TimingStats.of([_time_once(fn) for _ in range(repeats)])
+
+
+def interleaved_timings(
+    variants: dict[str, Callable[[], object]], rounds: int = 7, warmup: int = 1, calls_per_sample: int = 1
+) -> dict[str, TimingStats]:
+    """Time several variants round-robin (A B C A B C ...), so that a neighbour's load hits
+    them alike, and return per-variant stats of the time of ONE call (a sample is the mean
+    of `calls_per_sample` back-to-back calls; use it to rotate through a weight set)."""
+    for fn in variants.values():
+        for _ in range(warmup):
+            for _ in range(calls_per_sample):
+                _time_once(fn)
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            t0 = time.perf_counter()
+            out = None
+            for _ in range(calls_per_sample):
+                out = fn()
+                if hasattr(out, "block_until_ready"):
+                    out.block_until_ready()
+            samples[name].append((time.perf_counter() - t0) / calls_per_sample)
+    return {name: TimingStats.of(s) for name, s in samples.items()}
