@@ -189,9 +189,9 @@ def _dequant(t: Any) -> jax.Array:
         return dequantize(t, jnp.float32)
     int4 = _int4_types()
     if int4 and isinstance(t, int4):
-        from hmoe_jax.quant.int4 import dequantize as int4_dequantize
+        from hmoe_jax.quant.int4 import dequantize_int4
 
-        return jnp.asarray(int4_dequantize(t), jnp.float32)
+        return dequantize_int4(t, jnp.float32)
     return jnp.asarray(t, jnp.float32)
 
 

@@ -85,8 +85,26 @@ ffi::Error MoeExpertsImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> ids, ffi::Buff
       w.q_stride_bytes[i] = ns[i] * ks[i];
       w.s_stride_bytes[i] = nb * kb * 4;
     }
+  } else if (weight_format == static_cast<int64_t>(WeightFormat::kInt4)) {
+    w.format = WeightFormat::kInt4;
+    w.group_size = group_size;
+    for (int i = 0; i < 3; ++i) {
+      const std::string qn = std::string(names[i]) + ".q", sn = std::string(names[i]) + ".scale";
+      if (group_size < 1 || ks[i] % group_size != 0)
+        return bad(std::string(names[i]) + ": K=" + std::to_string(ks[i]) +
+                   " must be a multiple of group_size=" + std::to_string(group_size));
+      if (qs[i]->element_type() != ffi::U8) return bad(qn + ": expected dtype uint8 (packed int4)");
+      if (auto e = expect_dims(qn.c_str(), qs[i]->dimensions(), {num_experts, ns[i], ks[i] / 2}); !e.empty())
+        return bad(e);
+      if (ss[i]->element_type() != ffi::BF16) return bad(sn + ": expected dtype bfloat16");
+      const int64_t ng = ks[i] / group_size;
+      if (auto e = expect_dims(sn.c_str(), ss[i]->dimensions(), {num_experts, ns[i], ng}); !e.empty())
+        return bad(e);
+      w.q_stride_bytes[i] = ns[i] * (ks[i] / 2);
+      w.s_stride_bytes[i] = ns[i] * ng * 2;
+    }
   } else {
-    return bad("weight_format: expected 0 (fp8), got " + std::to_string(weight_format));
+    return bad("weight_format: expected 0 (fp8) or 1 (int4), got " + std::to_string(weight_format));
   }
   for (int i = 0; i < 3; ++i) {
     w.q[i] = static_cast<const uint8_t*>(qs[i]->untyped_data());
