@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Any
 
 import jax
@@ -28,8 +29,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hmoe_jax.config import ModelConfig
+from hmoe_jax.model.generate import CACHE_BUCKET, GenerateResult
 from hmoe_jax.model.layers import rms_norm, swiglu
-from hmoe_jax.model.model import KVCache, embed, final_logits, init_cache
+from hmoe_jax.model.model import KVCache, embed, final_logits, forward, init_cache
 from hmoe_jax.model.moe import ExpertFn, experts_ref
 from hmoe_jax.model.params import LayerParams, ModelParams, MoEParams
 from hmoe_jax.runtime.dist import (
@@ -243,3 +245,44 @@ def _assemble_cache(cfg, lats, rops, b, t, max_len, device) -> KVCache:
 
     with jax.default_device(device):
         return build(lats, rops)
+
+
+def dist_generate(
+    params: ModelParams,
+    cfg: ModelConfig,
+    prompt_ids: Any,
+    max_new_tokens: int,
+    mesh: Mesh,
+    *,
+    moe_scheme: str = "smallep",
+    expert_fn: ExpertFn = experts_ref,
+    decode_expert_fn: ExpertFn | None = None,
+    stop_ids: Any = None,
+) -> tuple[GenerateResult, DistPrefillResult]:
+    """Greedy batch-1 generation: distributed prefill over `mesh`, then single-device decode
+    (model.forward, T = 1) on the cache the prefill left on the mesh's first device.
+    Same stopping rule as model.generate."""
+    if max_new_tokens < 1:
+        raise ValueError(f"dist_generate: max_new_tokens must be >= 1, got {max_new_tokens}")
+    ids = np.asarray(prompt_ids, np.int32).reshape(1, -1)
+    t = ids.shape[1]
+    stops = set(cfg.eos_ids if stop_ids is None else stop_ids)
+    max_len = -(-(t + max_new_tokens) // CACHE_BUCKET) * CACHE_BUCKET
+    t0 = time.perf_counter()
+    pre = dist_prefill(params, cfg, ids, mesh, moe_scheme=moe_scheme, expert_fn=expert_fn, max_len=max_len)
+    tok = int(jnp.argmax(pre.logits_last[0]))
+    ttft_s = time.perf_counter() - t0
+    dev = mesh.devices.flat[0]
+    dparams = jax.device_put(params, dev)
+    cache, tokens, decode_s = pre.cache, [tok], []
+    efn = expert_fn if decode_expert_fn is None else decode_expert_fn
+    while len(tokens) < max_new_tokens and tok not in stops:
+        t0 = time.perf_counter()
+        with jax.default_device(dev):
+            logits, cache = forward(
+                dparams, cfg, np.array([[tok]], np.int32), cache, t + len(tokens) - 1, efn
+            )
+        tok = int(jnp.argmax(logits[0, -1]).block_until_ready())
+        decode_s.append(time.perf_counter() - t0)
+        tokens.append(tok)
+    return GenerateResult(tokens=tokens, ttft_s=ttft_s, decode_s=decode_s), pre
