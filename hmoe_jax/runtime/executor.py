@@ -1,0 +1,332 @@
+"""Runs a Plan against placed weights.
+
+Each op kind has a handler `fn(run, op) -> arrays` that dispatches the op's JAX work and
+returns the arrays whose readiness means the op is done. Three modes:
+
+- "pipelined": one worker thread per resource (the paper's loader / compute / unloader
+  workers, plus the CPU expert worker); a worker takes its ops in plan order, waits for
+  their deps, runs them and blocks until their outputs are ready, so trace slices are
+  real execution intervals and different resources overlap.
+- "serial": the same ops one at a time in plan order, each finished before the next
+  starts: the overlap-disabled baseline of the same plan.
+- "async": plan order on the calling thread without blocking, relying on JAX's async
+  dispatch (decode steps: the lowest dispatch overhead); slices then show dispatch time.
+
+Schedules defined elsewhere (e.g. dslp) add their op kinds with register_op_kind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from hmoe_jax.config import ModelConfig
+from hmoe_jax.model.moe import ExpertFn
+from hmoe_jax.runtime import pieces
+from hmoe_jax.runtime.plan import Op, Plan, PlanError
+from hmoe_jax.runtime.staging import StagingRing, slot_layout
+from hmoe_jax.runtime.state import LayerCache, PlacedWeights
+from hmoe_jax.runtime.trace import TraceRecorder
+
+MODES = ("pipelined", "serial", "async")
+Handler = Callable[["Run", Op], list[Any]]
+HANDLERS: dict[str, Handler] = {}
+
+
+def register_op_kind(kind: str, fn: Handler | None = None):
+    """Register the handler of an op kind (usable as a decorator)."""
+
+    def deco(f: Handler) -> Handler:
+        HANDLERS[kind] = f
+        return f
+
+    return deco(fn) if fn is not None else deco
+
+
+@dataclasses.dataclass
+class Run:
+    """State of one plan execution: inputs, the cache, intermediate values, resources."""
+
+    cfg: ModelConfig
+    weights: PlacedWeights
+    cache: LayerCache
+    tokens: np.ndarray  # [B, T] int32, the plan's new tokens
+    start_pos: int
+    host_expert_fn: Callable  # jitted ExpertFn on host-device arrays
+    ring: StagingRing | None = None
+    trace: TraceRecorder | None = None
+    link_gbps: float | None = None  # cap for activation hops too (weights: the ring's cap)
+    acc_tflops_cap: float | None = None  # stand-in compute-rate emulation
+    vals: dict[Any, Any] = dataclasses.field(default_factory=dict)
+    logits: list[Any] = dataclasses.field(default_factory=list)  # chunks of [B, t, V]
+    streamed_bytes: dict[int, int] = dataclasses.field(default_factory=dict)  # layer -> bytes loaded
+
+    @property
+    def acc(self) -> jax.Device:
+        return self.weights.placement.acc
+
+    def span(self, op: Op) -> tuple[int, int]:
+        t0, t1 = op.args.get("tokens", (0, self.tokens.shape[1]))
+        return int(t0), int(t1)
+
+
+# ---------------------------------------------------------------- handlers
+
+
+@register_op_kind("embed")
+def _embed(run: Run, op: Op) -> list:
+    t0, t1 = run.span(op)
+    tok = jax.device_put(run.tokens[:, t0:t1], run.acc)
+    h = pieces.embed(run.weights.acc.embed, tok)
+    run.vals[("h", t0)] = h
+    return [h]
+
+
+@register_op_kind("attn")
+def _attn(run: Run, op: Op) -> list:
+    t0, _ = run.span(op)
+    i = op.layer
+    h, lat, rope = pieces.attention(
+        run.weights.acc.layers[i],
+        run.cfg,
+        run.vals[("h", t0)],
+        run.cache.latent[i],
+        run.cache.rope[i],
+        np.int32(run.start_pos + t0),
+    )
+    run.cache.latent[i], run.cache.rope[i] = lat, rope
+    run.vals[("h", t0)] = h
+    return [h]
+
+
+@register_op_kind("dense_ffn")
+def _dense(run: Run, op: Op) -> list:
+    t0, _ = run.span(op)
+    h = pieces.dense_ffn(run.weights.acc.layers[op.layer], run.cfg, run.vals[("h", t0)])
+    run.vals[("h", t0)] = h
+    return [h]
+
+
+@register_op_kind("route")
+def _route(run: Run, op: Op) -> list:
+    t0, _ = run.span(op)
+    x, ids, w = pieces.route_tokens(run.weights.acc.layers[op.layer], run.cfg, run.vals[("h", t0)])
+    run.vals[("route", op.layer, t0)] = (x, ids, w)
+    return [x, ids, w]
+
+
+@register_op_kind("shared")
+def _shared(run: Run, op: Op) -> list:
+    t0, _ = run.span(op)
+    x = run.vals[("route", op.layer, t0)][0]
+    s = pieces.shared(run.weights.acc.layers[op.layer].ffn.shared, x)
+    run.vals[("shared", op.layer, t0)] = s
+    return [s]
+
+
+@register_op_kind("d2h")
+def _d2h(run: Run, op: Op) -> list:
+    t0, _ = run.span(op)
+    moved = jax.device_put(run.vals[("route", op.layer, t0)], run.weights.placement.host)
+    run.vals[("route_host", op.layer, t0)] = moved
+    return list(moved)
+
+
+@register_op_kind("experts_cpu")
+def _experts_cpu(run: Run, op: Op) -> list:
+    t0, _ = run.span(op)
+    x, ids, w = run.vals[("route_host", op.layer, t0)]
+    y = run.host_expert_fn(x, ids, w, run.weights.host_experts_dev[op.layer])
+    run.vals[("routed_host", op.layer, t0)] = y
+    return [y]
+
+
+@register_op_kind("h2d")
+def _h2d(run: Run, op: Op) -> list:
+    t0, _ = run.span(op)
+    y = jax.device_put(run.vals.pop(("routed_host", op.layer, t0)), run.acc)
+    run.vals[("routed", op.layer, t0)] = y
+    return [y]
+
+
+@register_op_kind("load")
+def _load(run: Run, op: Op) -> list:
+    """Loader: fill the slot from the host arena (C++ copy threads), then hand the slot to
+    the accelerator (zero-copy view on a stand-in, a host->device copy on a GPU)."""
+    if run.ring is None:
+        raise PlanError(
+            f"op {op.id} (load) needs a staging ring; the engine creates one for plans with ring_slots"
+        )
+    lo, hi = op.args["experts"]
+    slot = int(op.args["slot"])
+    host = run.weights.host_experts[op.layer]
+    fields, _ = slot_layout(host, hi - lo)
+    n = run.ring.fill_experts(slot, host, lo, hi, fields)
+    c0, c1 = run.ring.wait(slot)
+    run.streamed_bytes[op.layer] = run.streamed_bytes.get(op.layer, 0) + n
+    views = run.ring.views(slot, fields, hi - lo, host)
+    dev = jax.device_put(views, run.acc)
+    run.vals[("slot", slot)] = dev
+    run.vals[("copy_ns", op.id)] = (c0, c1)
+    return jax.tree_util.tree_leaves(dev)
+
+
+@register_op_kind("experts_acc")
+def _experts_acc(run: Run, op: Op) -> list:
+    t0, _ = run.span(op)
+    i = op.layer
+    key = ("sorted", i, t0)
+    if key not in run.vals:  # first group of the layer: sort its assignments once
+        x, ids, w = run.vals[("route", i, t0)]
+        run.vals[key] = pieces.sort_by_expert(ids, w, run.cfg.n_routed_experts)
+        run.vals[("routed", i, t0)] = jax.numpy.zeros_like(x)
+    x = run.vals[("route", i, t0)][0]
+    token, wts, offsets = run.vals[key]
+    lo, _ = op.args["experts"]
+    acc = pieces.experts_group(
+        x,
+        run.vals[("routed", i, t0)],
+        token,
+        wts,
+        offsets,
+        np.int32(lo),
+        run.vals[("slot", int(op.args["slot"]))],
+    )
+    run.vals[("routed", i, t0)] = acc
+    return [acc]
+
+
+@register_op_kind("unload")
+def _unload(run: Run, op: Op) -> list:
+    """Unloader: the slot's last reader is done (deps), drop the device view, free the slot."""
+    slot = int(op.args["slot"])
+    run.vals.pop(("slot", slot), None)
+    run.ring.release(slot)
+    return []
+
+
+@register_op_kind("combine")
+def _combine(run: Run, op: Op) -> list:
+    t0, _ = run.span(op)
+    i = op.layer
+    h = pieces.combine(
+        run.vals[("h", t0)], run.vals.pop(("routed", i, t0)), run.vals.pop(("shared", i, t0), None)
+    )
+    run.vals.pop(("route", i, t0), None)
+    run.vals.pop(("sorted", i, t0), None)
+    run.vals[("h", t0)] = h
+    return [h]
+
+
+@register_op_kind("final")
+def _final(run: Run, op: Op) -> list:
+    t0, _ = run.span(op)
+    a = run.weights.acc
+    lg = pieces.final(a.norm, a.lm_head, run.cfg, run.vals[("h", t0)], op.args.get("rows", "last") == "last")
+    run.logits.append(lg)
+    return [lg]
+
+
+@register_op_kind("forward")
+def _forward(run: Run, op: Op) -> list:
+    from hmoe_jax.model.model import forward
+
+    lg, cache = forward(
+        run.weights.acc_full(),
+        run.cfg,
+        jax.device_put(run.tokens, run.acc),
+        jax.device_put(run.cache.to_kvcache(), run.acc),
+        run.start_pos,
+    )
+    run.cache.latent[:], run.cache.rope[:] = list(cache.latent), list(cache.k_rope)
+    run.logits.append(lg)
+    return [lg]
+
+
+# ---------------------------------------------------------------- execution
+
+
+def _throttle(run: Run, op: Op, start_ns: int) -> None:
+    """Stand-in rate emulation: an op may not finish before its bytes/flops at the cap."""
+    due = 0.0
+    if run.acc_tflops_cap and op.resource.startswith("acc") and op.flops:
+        due = op.flops / (run.acc_tflops_cap * 1e12)
+    if run.link_gbps and op.kind in ("d2h", "h2d") and op.bytes:
+        due = op.bytes / (run.link_gbps * 1e9)
+    left = start_ns / 1e9 + due - time.perf_counter()
+    if left > 0:
+        time.sleep(left)
+
+
+def _exec(run: Run, op: Op, block: bool) -> None:
+    fn = HANDLERS.get(op.kind)
+    if fn is None:
+        raise PlanError(f"op {op.id}: no handler for kind {op.kind!r} (known: {sorted(HANDLERS)})")
+    t0 = time.perf_counter_ns()
+    outs = fn(run, op)
+    if block:
+        jax.block_until_ready(outs)
+        _throttle(run, op, t0)
+    t1 = time.perf_counter_ns()
+    if run.trace is not None:
+        name = op.kind if op.layer < 0 else f"{op.kind} L{op.layer}"
+        args = {"op": op.id, "layer": op.layer, "bytes": op.bytes, "flops": op.flops, **op.args}
+        if ("copy_ns", op.id) in run.vals:
+            c0, c1 = run.vals.pop(("copy_ns", op.id))
+            args.update(copy_start_ns=c0, copy_end_ns=c1)
+        run.trace.add(op.resource, name, t0, t1, **args)
+
+
+def execute(plan: Plan, run: Run, mode: str = "pipelined") -> float:
+    """Run every op of `plan`; returns wall seconds (all outputs ready)."""
+    if mode not in MODES:
+        raise ValueError(f"execute: mode {mode!r} not in {MODES}")
+    start = time.perf_counter()
+    if mode != "pipelined" or len(plan.resources()) == 1:
+        for op in plan.ops:
+            _exec(run, op, block=mode != "async")
+        jax.block_until_ready(run.logits)
+        return time.perf_counter() - start
+
+    done = [threading.Event() for _ in plan.ops]
+    errors: list[BaseException] = []
+
+    def worker(ops: list[Op]) -> None:
+        try:
+            for op in ops:
+                for d in op.deps:
+                    done[d].wait()
+                    if errors:
+                        return
+                _exec(run, op, block=True)
+                done[op.id].set()
+        except BaseException as e:  # surface in the caller, release everyone waiting
+            errors.append(e)
+            for ev in done:
+                ev.set()
+
+    by_res: dict[str, list[Op]] = {}
+    for op in plan.ops:
+        by_res.setdefault(op.resource, []).append(op)
+    threads = [
+        threading.Thread(target=worker, args=(ops,), name=f"hmoe-{r}", daemon=True)
+        for r, ops in by_res.items()
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    jax.block_until_ready(run.logits)
+    return time.perf_counter() - start
+
+
+def jit_host_expert_fn(expert_fn: ExpertFn) -> Callable:
+    return jax.jit(expert_fn)

@@ -1,0 +1,80 @@
+"""Chrome trace-event JSON (opens in Perfetto / chrome://tracing): one track per resource
+(each host->accelerator link, each accelerator, the CPU expert workers), one complete
+("X") slice per executed op, from time.perf_counter_ns() taken around blocking points."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+
+class TraceRecorder:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.slices: list[dict[str, Any]] = []
+        self.meta: dict[str, Any] = {}
+
+    def add(self, resource: str, name: str, start_ns: int, end_ns: int, **args: Any) -> None:
+        with self._lock:
+            self.slices.append(
+                {
+                    "resource": resource,
+                    "name": name,
+                    "start_ns": int(start_ns),
+                    "end_ns": int(max(end_ns, start_ns)),
+                    "args": args,
+                }
+            )
+
+    def to_chrome(self) -> dict[str, Any]:
+        resources = sorted({s["resource"] for s in self.slices}, key=_track_order)
+        tid = {r: i for i, r in enumerate(resources)}
+        t0 = min((s["start_ns"] for s in self.slices), default=0)
+        events: list[dict[str, Any]] = [
+            {"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "hmoe engine"}}
+        ]
+        for r, i in tid.items():
+            events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": i, "args": {"name": r}})
+            events.append(
+                {"ph": "M", "name": "thread_sort_index", "pid": 0, "tid": i, "args": {"sort_index": i}}
+            )
+        for s in sorted(self.slices, key=lambda s: s["start_ns"]):
+            events.append(
+                {
+                    "ph": "X",
+                    "name": s["name"],
+                    "pid": 0,
+                    "tid": tid[s["resource"]],
+                    "ts": (s["start_ns"] - t0) / 1e3,
+                    "dur": (s["end_ns"] - s["start_ns"]) / 1e3,
+                    "args": {"resource": s["resource"], **s["args"]},
+                }
+            )
+        return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": self.meta}
+
+    def write(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_chrome()))
+
+
+def _track_order(resource: str) -> tuple[int, str]:
+    kind = resource.split(":")[0]
+    rank = {"h2d": 0, "acc": 1, "unload": 2, "d2h": 3, "cpu_experts": 4}.get(kind, 5)
+    return rank, resource
+
+
+def load_slices(path: str | Path) -> list[dict[str, Any]]:
+    """The X slices of a trace file as dicts with resource, name, ts_us, dur_us, args."""
+    d = json.loads(Path(path).read_text())
+    return [
+        {
+            "resource": e["args"]["resource"],
+            "name": e["name"],
+            "ts_us": e["ts"],
+            "dur_us": e["dur"],
+            "args": e["args"],
+        }
+        for e in d["traceEvents"]
+        if e.get("ph") == "X"
+    ]

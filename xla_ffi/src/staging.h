@@ -1,0 +1,95 @@
+// Host-side staging ring for stream-loading prefill (SLP): an aligned arena of R slots and
+// background copy threads that fill a slot from the host weight arena (memcpy, optionally
+// rate-capped to emulate a host->accelerator link) and signal readiness. Slots are reused;
+// nothing is allocated after construction.
+//
+// Slot life cycle: kFree --fill()--> kFilling --(copy threads)--> kReady --release()--> kFree.
+// fill() on a slot that is not free is an error (the schedule must release it first):
+// that is what guarantees a slot is never overwritten while a computation reads it.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace hmoe {
+
+struct CopySegment {
+  const uint8_t* src;
+  size_t dst_offset;  // inside the slot
+  size_t bytes;
+};
+
+enum class SlotState : int { kFree = 0, kFilling = 1, kReady = 2 };
+
+class StagingRing {
+ public:
+  // rate_bytes_per_s <= 0: no cap. n_threads >= 1 copy threads share each fill.
+  StagingRing(int n_slots, size_t slot_bytes, int n_threads, double rate_bytes_per_s);
+  ~StagingRing();
+  StagingRing(const StagingRing&) = delete;
+  StagingRing& operator=(const StagingRing&) = delete;
+
+  int n_slots() const { return static_cast<int>(slots_.size()); }
+  size_t slot_bytes() const { return slot_bytes_; }
+  uint8_t* slot_ptr(int slot) const { return arena_ + static_cast<size_t>(slot) * slot_bytes_; }
+  bool pinned() const { return pinned_; }
+
+  // Queue a fill; returns "" or an error message naming the problem.
+  std::string fill(int slot, std::vector<CopySegment> segments);
+  // Block until `slot` is ready; returns its copy start/end (CLOCK_MONOTONIC ns).
+  std::string wait(int slot, int64_t* start_ns, int64_t* end_ns);
+  std::string release(int slot);
+  int state(int slot);
+
+  uint64_t bytes_copied() const { return bytes_copied_.load(); }
+  uint64_t fills_done() const { return fills_done_.load(); }
+
+ private:
+  struct Job {
+    int slot;
+    std::vector<CopySegment> segments;
+  };
+  void link_loop();
+  void helper_loop();
+  void copy_job(const Job& job);
+  void copy_chunks();
+
+  std::vector<SlotState> slots_;
+  std::vector<int64_t> start_ns_, end_ns_;
+  size_t slot_bytes_;
+  uint8_t* arena_ = nullptr;
+  bool pinned_ = false;
+  double rate_;
+
+  std::mutex mu_;
+  std::condition_variable cv_jobs_, cv_ready_;
+  std::deque<Job> jobs_;
+  bool stop_ = false;
+  std::thread link_;
+
+  // The fill being copied: chunked so helper threads can share it.
+  std::mutex work_mu_;
+  std::condition_variable cv_work_, cv_work_done_;
+  const Job* current_ = nullptr;
+  uint64_t generation_ = 0;
+  std::atomic<size_t> next_chunk_{0};
+  std::atomic<size_t> paced_bytes_{0};
+  int busy_helpers_ = 0;
+  int64_t job_start_ns_ = 0;
+  std::vector<std::pair<size_t, size_t>> chunks_;  // (segment index, offset within it)
+  std::vector<std::thread> helpers_;
+
+  std::atomic<uint64_t> bytes_copied_{0};
+  std::atomic<uint64_t> fills_done_{0};
+};
+
+int64_t monotonic_ns();
+
+}  // namespace hmoe
