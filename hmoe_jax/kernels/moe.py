@@ -5,7 +5,7 @@ returns sum_j weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t), e = ids[t, j]
 layer's stacked routed experts in DeepSeek block-FP8 (Fp8Tensor) or our INT4
 (hmoe_jax.quant.int4.Int4Tensor). The op receives the whole layer's arrays plus the ids,
 so no expert weight is sliced or copied per call (pass host arrays that are 64-byte
-aligned, see `aligned_host_copy`, for XLA to hand them over without a copy).
+aligned, see hmoe_jax.kernels.gemm.device_put_zero_copy, for XLA to hand them over without a copy).
 
 Numerics (both schedules, every ISA path): x is rounded to bf16 once, silu(g) * u is
 rounded to bf16 before the down projection, products are exact in f32 and summed in f32
@@ -102,8 +102,10 @@ def _call(x, ids, weights, experts, schedule, numa_nodes, max_isa, num_threads, 
     ffi.register_all()
     if schedule not in _SCHEDULES:
         raise ValueError(f"moe_experts: schedule must be one of {sorted(_SCHEDULES)}, got {schedule!r}")
-    if max_isa is not None and max_isa not in _ISAS:
-        raise ValueError(f"moe_experts: max_isa must be None or one of {sorted(_ISAS)}, got {max_isa!r}")
+    if isinstance(max_isa, str) and max_isa not in _ISAS:
+        raise ValueError(
+            f"moe_experts: max_isa must be None, an int or one of {sorted(_ISAS)}, got {max_isa!r}"
+        )
     parts = _check(x, ids, weights, experts)
     m, d = x.shape
     operands = [x, ids, weights]
@@ -122,7 +124,7 @@ def _call(x, ids, weights, experts, schedule, numa_nodes, max_isa, num_threads, 
         group_size=np.int64(parts[0][3]),
         schedule=np.int64(_SCHEDULES[schedule]),
         numa_nodes=np.int64(numa_nodes),
-        max_isa=np.int64(-1 if max_isa is None else _ISAS[max_isa]),
+        max_isa=np.int64(-1 if max_isa is None else _ISAS.get(max_isa, max_isa)),
         num_threads=np.int64(num_threads),
         gate_up_slice=np.int64(gate_up_slice),
         down_slice=np.int64(down_slice),
@@ -138,7 +140,7 @@ def moe_experts(
     *,
     schedule: str = "fine",
     numa_nodes: int = 1,
-    max_isa: str | None = None,
+    max_isa: str | int | None = None,
     num_threads: int = 0,
     gate_up_slice: int = 128,
     down_slice: int = 256,
@@ -158,27 +160,25 @@ def moe_experts(
     return y
 
 
-def moe_experts_with_stats(x, ids, weights, experts, **kw) -> tuple[jax.Array, dict[str, int]]:
-    """Like moe_experts (eagerly), also returning the op's stats: the weight buffer
-    addresses XLA handed the handler (zero-copy check), active experts, their bytes."""
+def moe_experts_raw(x, ids, weights, experts, **kw) -> tuple[jax.Array, jax.Array]:
+    """Traceable (y [M, D] f32, raw stats [2 * STATS_LEN] int32); decode with decode_stats."""
     opts = dict(schedule="fine", numa_nodes=1, max_isa=None, num_threads=0, gate_up_slice=128, down_slice=256)
     opts.update(kw)
-    y, raw = _call(x, ids, weights, experts, **opts)
+    return _call(x, ids, weights, experts, **opts)
+
+
+def decode_stats(raw: Any) -> dict[str, int]:
+    """The op's stats: the weight buffer addresses XLA handed the handler (the zero-copy
+    check: they equal the arrays' own addresses), active experts, their bytes, ISA, threads."""
     words = np.asarray(raw).astype(np.int64).reshape(STATS_LEN, 2)
     vals = (words[:, 0] & 0xFFFFFFFF) | (words[:, 1] << 32)
-    return y, dict(zip(STAT_NAMES, (int(v) for v in vals)))
+    return dict(zip(STAT_NAMES, (int(v) for v in vals)))
 
 
-def aligned_host_copy(a: np.ndarray, alignment: int = 64) -> np.ndarray:
-    """One-time copy of `a` into a buffer whose data pointer is `alignment`-aligned, so that
-    jax.device_put (CPU) wraps it without copying (shared/NOTES.md: numpy's default 16-byte
-    alignment makes XLA copy the whole array on every transfer)."""
-    a = np.asarray(a)
-    raw = np.empty(a.nbytes + alignment, np.uint8)
-    off = (-raw.ctypes.data) % alignment
-    out = raw[off : off + a.nbytes].view(a.dtype).reshape(a.shape)
-    out[...] = a
-    return out
+def moe_experts_with_stats(x, ids, weights, experts, **kw) -> tuple[jax.Array, dict[str, int]]:
+    """moe_experts (eagerly) plus decode_stats of the same call."""
+    y, raw = moe_experts_raw(x, ids, weights, experts, **kw)
+    return y, decode_stats(raw)
 
 
 # ---- reference ----------------------------------------------------------------------
