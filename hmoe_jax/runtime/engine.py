@@ -31,15 +31,28 @@ from hmoe_jax.runtime.trace import TraceRecorder
 from hmoe_jax.schedules.registry import get_schedule
 
 
-def expert_fn_named(name: str) -> ExpertFn:
-    """'ref': plain-JAX experts_ref; 'ffi': the fused CPU MoE op (hmoe_jax.kernels.moe)."""
+def ffi_moe_available() -> bool:
+    try:
+        from hmoe_jax.kernels import ffi
+
+        return "hmoe_moe_experts" in ffi.register_all()
+    except ImportError:
+        return False
+
+
+def expert_fn_named(name: str, cfg: ModelConfig | None = None) -> ExpertFn:
+    """'ref': plain-JAX experts_ref; 'ffi': the fused CPU MoE op (hmoe_jax.kernels.moe, FP8 /
+    INT4 weights); 'auto': ffi for quantized weights when the extension is built, else ref."""
+    if name == "auto":
+        quantized = cfg is not None and cfg.quant is not None
+        name = "ffi" if quantized and ffi_moe_available() else "ref"
     if name == "ref":
         return experts_ref
     if name == "ffi":
         from hmoe_jax.kernels.moe import moe_experts
 
         return moe_experts
-    raise ValueError(f"expert_fn {name!r}: expected 'ref' or 'ffi'")
+    raise ValueError(f"expert_fn {name!r}: expected 'auto', 'ref' or 'ffi'")
 
 
 @dataclasses.dataclass
@@ -57,7 +70,7 @@ class EngineResult:
 class Engine:
     """Options: devices (accelerators), system (SystemSpec), link_gbps (cap host->acc copies;
     emulation, never for performance claims), acc_tflops_cap (stand-in compute cap),
-    expert_fn ('ref' | 'ffi' | an ExpertFn) for the host experts, mode (executor mode of the
+    expert_fn ('auto' | 'ref' | 'ffi' | an ExpertFn) for the host experts, mode (executor mode of the
     prefill), decode_mode, copy_threads (staging ring)."""
 
     def __init__(
@@ -69,7 +82,7 @@ class Engine:
         system: SystemSpec | None = None,
         link_gbps: float | None = None,
         acc_tflops_cap: float | None = None,
-        expert_fn: str | ExpertFn = "ref",
+        expert_fn: str | ExpertFn = "auto",
         mode: str = "pipelined",
         decode_mode: str = "async",
         copy_threads: int = 2,
@@ -79,7 +92,8 @@ class Engine:
         self.system = system or SystemSpec(num_accelerators=devices)
         self.weights = PlacedWeights.place(params, cfg, self.placement)
         self.link_gbps, self.acc_tflops_cap = link_gbps, acc_tflops_cap
-        fn = expert_fn_named(expert_fn) if isinstance(expert_fn, str) else expert_fn
+        fn = expert_fn_named(expert_fn, cfg) if isinstance(expert_fn, str) else expert_fn
+        self.expert_fn_name = expert_fn if isinstance(expert_fn, str) else getattr(fn, "__name__", "custom")
         self.host_expert_fn = X.jit_host_expert_fn(fn)
         self.mode, self.decode_mode = mode, decode_mode
         self.copy_threads = copy_threads

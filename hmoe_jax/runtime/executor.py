@@ -92,8 +92,10 @@ def _embed(run: Run, op: Op) -> list:
 def _attn(run: Run, op: Op) -> list:
     t0, _ = run.span(op)
     i = op.layer
+    lp = run.weights.acc.layers[i]
     h, lat, rope = pieces.attention(
-        run.weights.acc.layers[i],
+        lp.attn_norm,
+        lp.attn,
         run.cfg,
         run.vals[("h", t0)],
         run.cache.latent[i],

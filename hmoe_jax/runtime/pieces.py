@@ -13,7 +13,7 @@ from hmoe_jax.config import ModelConfig
 from hmoe_jax.model import model as M
 from hmoe_jax.model.layers import dense_weight, rms_norm, swiglu
 from hmoe_jax.model.moe import route
-from hmoe_jax.model.params import ExpertsParams, FFNParams, LayerParams, ModelParams
+from hmoe_jax.model.params import ExpertsParams, FFNParams, LayerParams, MLAParams, ModelParams
 
 jit_cfg = functools.partial(jax.jit, static_argnames=("cfg",))
 
@@ -26,9 +26,17 @@ def embed(embed_w: jax.Array, tokens: jax.Array) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("lat", "rope"))
 def attention(
-    layer: LayerParams, cfg: ModelConfig, h: jax.Array, lat: jax.Array, rope: jax.Array, start_pos: jax.Array
+    attn_norm: jax.Array,
+    attn: MLAParams,
+    cfg: ModelConfig,
+    h: jax.Array,
+    lat: jax.Array,
+    rope: jax.Array,
+    start_pos: jax.Array,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """h [B, T, D] -> (h [B, T, D], latent_l [B, S, R], rope_l [B, S, dr]); the cache is donated."""
+    """h [B, T, D] -> (h [B, T, D], latent_l [B, S, R], rope_l [B, S, dr]); the cache is donated.
+    Takes only the attention weights so dense and MoE layers share one compilation."""
+    layer = LayerParams(attn_norm=attn_norm, attn=attn, ffn_norm=None, ffn=None)
     return M.attention_block(layer, cfg, h, lat, rope, start_pos)
 
 
