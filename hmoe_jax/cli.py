@@ -114,10 +114,18 @@ def check_ids(ids: Sequence[int], vocab_size: int, flag: str) -> None:
             raise InputError(f"{flag}: token id {i} out of range [0, vocab_size={vocab_size})")
 
 
-def check_context(n_prompt: int, n_new: int, max_context: int, source: str) -> None:
-    if n_prompt + n_new > max_context:
+def check_context(n_prompt: int, n_new: int, run: Run, source: str) -> None:
+    limit = (
+        "--max-context" if run.max_context != run.cfg.max_position_embeddings else "max_position_embeddings"
+    )
+    if n_new == 0 and n_prompt > run.max_context:
         raise InputError(
-            f"prompt ({n_prompt} tokens{source}) + {n_new} new tokens = {n_prompt + n_new} exceeds the context of {max_context} tokens"
+            f"{source}: {n_prompt} tokens exceed the context of {run.max_context} tokens ({limit})"
+        )
+    if n_prompt + n_new > run.max_context:
+        raise InputError(
+            f"{source}: prompt of {n_prompt} tokens + {n_new} new tokens = {n_prompt + n_new} "
+            f"exceeds the context of {run.max_context} tokens ({limit})"
         )
 
 
@@ -179,12 +187,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         )
     run = build_run(args)
     ids = prompt_ids(args, run)
-    check_context(
-        len(ids),
-        args.max_new_tokens,
-        run.max_context,
-        "" if args.tokens else f" from --prompt via {run.tokenizer.name}",
-    )
+    source = "--tokens" if args.tokens is not None else f"--prompt (encoded by {run.tokenizer.name})"
+    check_context(len(ids), args.max_new_tokens, run, source)
     temperature, top_p = float(args.temperature), float(args.top_p)
     warmup_s = 0.0 if args.no_warmup else _warmup(run, ids, args.max_new_tokens, temperature, top_p)
     res = generate(
@@ -234,9 +238,11 @@ def cmd_logits(args: argparse.Namespace) -> int:
     from hmoe_jax.model.generate import teacher_forced_logits
 
     ids = parse_tokens(args.tokens)
+    if not args.out.parent.is_dir():  # before the forward pass, not after it
+        raise InputError(f"--out: directory {args.out.parent} does not exist")
     run = build_run(args)
     check_ids(ids, run.cfg.vocab_size, "--tokens")
-    check_context(len(ids), 0, run.max_context, "")
+    check_context(len(ids), 0, run, "--tokens")
     logits = np.asarray(teacher_forced_logits(run.params, run.cfg, ids, run.expert_fn), np.float32)  # [T, V]
     np.save(args.out, logits)
     print(f"wrote {args.out}: float32 {list(logits.shape)} logits ({run.model})")

@@ -193,6 +193,8 @@ def convert_checkpoint(
     if fmt not in FORMATS:
         raise CheckpointError(f"unknown format {fmt!r} (expected one of {sorted(FORMATS)})")
     in_dir, out_dir = Path(in_dir), Path(out_dir)
+    if not in_dir.is_dir():
+        raise CheckpointError(f"{in_dir}: checkpoint directory not found")
     if out_dir.resolve() == in_dir.resolve():
         raise CheckpointError(f"{out_dir}: output directory must differ from the input")
     cfg = load_config(in_dir / "config.json")
