@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hmoe_jax.config import ModelConfig
-from hmoe_jax.model.model import forward, forward_nocache, init_cache
+from hmoe_jax.model.model import forward, init_cache
 from hmoe_jax.model.moe import ExpertFn, experts_ref
 from hmoe_jax.model.params import ModelParams
 
@@ -118,6 +118,9 @@ def generate(
 def teacher_forced_logits(
     params: ModelParams, cfg: ModelConfig, ids: Sequence[int], expert_fn: ExpertFn = experts_ref
 ) -> np.ndarray:
-    """Logits [T, V] f32 of every position of `ids` (one prefill, no sampling)."""
+    """Logits [T, V] f32 of every position of `ids` (one prefill, no sampling). The cache is
+    bucketed like generate's, so both share compiled prefills."""
     arr = _check_prompt(cfg, ids, 1)[None, :]  # [1, T]
-    return np.asarray(forward_nocache(params, cfg, jnp.asarray(arr), expert_fn))[0]
+    max_len = -(-arr.shape[1] // CACHE_BUCKET) * CACHE_BUCKET
+    logits, _ = forward(params, cfg, arr, init_cache(cfg, 1, max_len), 0, expert_fn)
+    return np.asarray(logits)[0]

@@ -105,15 +105,17 @@ def _forward(
 forward_jit = jax.jit(_forward, static_argnames=("cfg", "expert_fn"), donate_argnames=("cache",))
 
 
-def _concrete(x: object) -> np.ndarray | None:
-    if isinstance(x, jax.core.Tracer):
+def _host_value(x: object) -> np.ndarray | None:
+    """The value of a host input (Python/numpy); None for jax arrays, whose values are not
+    read back (that would synchronise every decode step)."""
+    if isinstance(x, jax.Array | jax.core.Tracer):
         return None
     return np.asarray(x)
 
 
 def check_forward_args(cfg: ModelConfig, tokens: object, cache: KVCache, start_pos: object) -> None:
     """One-line errors for inputs that jit would otherwise clamp silently (ids out of range,
-    a cache too short): checked only where the values are concrete."""
+    a cache too short). Shapes are always checked; values only when they are host data."""
     shape = np.shape(tokens)
     if len(shape) != 2:
         raise ValueError(f"forward: tokens must be [B, T], got shape {shape}")
@@ -124,11 +126,11 @@ def check_forward_args(cfg: ModelConfig, tokens: object, cache: KVCache, start_p
         )
     if cache.batch != shape[0]:
         raise ValueError(f"forward: tokens batch {shape[0]} != cache batch {cache.batch}")
-    tok = _concrete(tokens)
+    tok = _host_value(tokens)
     if tok is not None and tok.size and (tok.min() < 0 or tok.max() >= cfg.vocab_size):
         bad = int(tok.max() if tok.max() >= cfg.vocab_size else tok.min())
         raise ValueError(f"forward: token id {bad} out of range [0, {cfg.vocab_size})")
-    sp = _concrete(start_pos)
+    sp = _host_value(start_pos)
     if sp is not None and not 0 <= int(sp) <= cache.max_len - shape[1]:
         raise ValueError(
             f"forward: start_pos {int(sp)} + T {shape[1]} exceeds the cache length {cache.max_len}"

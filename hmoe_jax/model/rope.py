@@ -31,10 +31,13 @@ def rope_parameters(cfg: ModelConfig) -> tuple[np.ndarray, float]:
     r = cfg.rope
     dim = cfg.qk_rope_head_dim
     base = r.theta
-    # HF computes base ** (arange / dim) in f32 torch; f64 then rounding differs by <= 1 ulp.
-    pos_freqs = base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    f32 = np.float32
+    # HF's arithmetic, step by step in f32 (the exponent too); only the pow runs in f64
+    # and is rounded once, which agrees with torch's f32 pow to <= 1 ulp.
+    exponent = np.arange(0, dim, 2, dtype=f32) / f32(dim)
+    pos_freqs = (np.float64(base) ** exponent.astype(np.float64)).astype(f32)  # [dr/2]
     if r.rope_type == "default":
-        return (1.0 / pos_freqs).astype(np.float32), 1.0
+        return (f32(1.0) / pos_freqs).astype(f32), 1.0
     factor = r.factor
     if r.mscale and r.mscale_all_dim:
         attention_factor = _mscale(factor, r.mscale) / _mscale(factor, r.mscale_all_dim)
@@ -52,12 +55,12 @@ def rope_parameters(cfg: ModelConfig) -> tuple[np.ndarray, float]:
     high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
     if low == high:
         high += 0.001  # HF: prevents a zero-width ramp
-    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0.0, 1.0)
-    extrapolation_factor = 1.0 - ramp
-    inv_extra = 1.0 / pos_freqs
-    inv_inter = 1.0 / (factor * pos_freqs)
-    inv_freq = inv_inter * (1.0 - extrapolation_factor) + inv_extra * extrapolation_factor
-    return inv_freq.astype(np.float32), float(attention_factor)
+    ramp = np.clip((np.arange(dim // 2, dtype=f32) - f32(low)) / f32(high - low), f32(0), f32(1))
+    extrapolation_factor = f32(1) - ramp
+    inv_extra = f32(1) / pos_freqs
+    inv_inter = f32(1) / (f32(factor) * pos_freqs)
+    inv_freq = inv_inter * (f32(1) - extrapolation_factor) + inv_extra * extrapolation_factor
+    return inv_freq.astype(f32), float(attention_factor)
 
 
 def rope_cos_sin(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
