@@ -235,7 +235,12 @@ def dist_prefill(
 def _assemble_cache(cfg, lats, rops, b, t, max_len, device) -> KVCache:
     """Per-layer natural-order caches [B, S_pad, .] -> KVCache [L, B, max_len, .] with the
     first T positions filled (pad slots stay zero, as in a fresh single-device cache)."""
+    with jax.default_device(device):
+        return _cache_builder(cfg, b, t, max_len)(lats, rops)
 
+
+@functools.cache
+def _cache_builder(cfg: ModelConfig, b: int, t: int, max_len: int):
     @jax.jit
     def build(lats, rops):
         c = init_cache(cfg, b, max_len)
@@ -243,8 +248,7 @@ def _assemble_cache(cfg, lats, rops, b, t, max_len, device) -> KVCache:
         rop = jnp.stack([x[:, :t] for x in rops])  # [L, B, T, dr]
         return KVCache(latent=c.latent.at[:, :, :t].set(lat), k_rope=c.k_rope.at[:, :, :t].set(rop))
 
-    with jax.default_device(device):
-        return build(lats, rops)
+    return build
 
 
 def dist_generate(
