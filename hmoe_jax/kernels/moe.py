@@ -224,3 +224,19 @@ def moe_experts_ref(
     m, e = xa.shape[0], gate.shape[0]
     c = jnp.zeros((m, e), jnp.float32).at[jnp.arange(m)[:, None], ids].add(weights)  # [M, E]
     return jnp.einsum("te,ted->td", c, o, precision=hi)
+
+
+def bf16_dot_peak_flops(num_threads: int = 0, iters: int = 20_000_000, repeats: int = 3) -> float:
+    """Measured bf16 dot-product peak (FLOP/s) of this machine: register-resident vdpbf16ps
+    chains on `num_threads` threads of our pool (xla_ffi/src/moe_peak*.cc), best of
+    `repeats` (a neighbour's load only ever lowers it). RuntimeError without AVX-512-BF16."""
+    ffi.register_all()
+    if not ffi.cpu_features()["avx512"]:
+        raise RuntimeError("bf16_dot_peak_flops needs AVX-512-BF16, which this CPU lacks")
+    call = jax.ffi.ffi_call(
+        "hmoe_bf16_dot_peak", jax.ShapeDtypeStruct((2,), jnp.float32), has_side_effect=True
+    )
+    return max(
+        float(np.asarray(call(iters=np.int64(iters), num_threads=np.int64(num_threads)))[0])
+        for _ in range(repeats)
+    )
