@@ -190,6 +190,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     source = "--tokens" if args.tokens is not None else f"--prompt (encoded by {run.tokenizer.name})"
     check_context(len(ids), args.max_new_tokens, run, source)
     temperature, top_p = float(args.temperature), float(args.top_p)
+    if args.schedule is not None:
+        return cmd_generate_engine(args, run, ids)
     warmup_s = 0.0 if args.no_warmup else _warmup(run, ids, args.max_new_tokens, temperature, top_p)
     res = generate(
         run.params,
@@ -227,6 +229,100 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "temperature": temperature,
             "top_p": top_p,
             "seed": args.seed,
+            "schedule": "none",  # plain model.generate; --schedule runs the hybrid engine
+        }
+        print(json.dumps(record))
+    return 0
+
+
+# ---- hybrid engine flags (hmoe_jax.runtime.engine; owner: engine) ----------------------
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    from hmoe_jax.schedules.registry import schedule_names
+
+    p.add_argument(
+        "--schedule",
+        choices=sorted(set(schedule_names()) | {"dslp"}),
+        default=None,
+        help="run the hybrid engine with this prefill schedule (decode: routed experts on the CPU)",
+    )
+    p.add_argument("--devices", type=int, default=None, help="accelerators (stand-in CPU devices without a GPU)")
+    p.add_argument("--trace", type=Path, default=None, help="write a Chrome trace-event JSON (Perfetto) of the run")
+    p.add_argument(
+        "--link-gbps",
+        type=float,
+        default=None,
+        help="cap host->accelerator copies at this rate (emulation; not for performance claims)",
+    )
+    p.add_argument("--system", default=None, help="configs/systems/<name>.json or a path (SLP/auto policy)")
+
+
+def cmd_generate_engine(args: argparse.Namespace, run: Run, ids: list[int]) -> int:
+    from hmoe_jax.runtime.engine import Engine
+    from hmoe_jax.runtime.system import SystemSpec, load_system
+    from hmoe_jax.runtime.trace import TraceRecorder
+    from hmoe_jax.schedules.registry import SCHEDULES
+
+    if args.temperature != 0.0:
+        raise InputError(f"--schedule runs greedy decoding; --temperature must be 0, got {args.temperature}")
+    if args.schedule not in SCHEDULES:
+        raise InputError(f"--schedule {args.schedule}: not registered in this build (registered: {sorted(SCHEDULES)})")
+    if args.link_gbps is not None and args.link_gbps <= 0:
+        raise InputError(f"--link-gbps must be > 0, got {args.link_gbps}")
+    if args.trace is not None and not args.trace.resolve().parent.is_dir():
+        raise InputError(f"--trace: directory {args.trace.parent} does not exist")
+    devices = args.devices or 1
+    system = load_system(args.system) if args.system else SystemSpec(num_accelerators=devices)
+    from hmoe_jax.runtime.placement import PlacementError
+    from hmoe_jax.schedules.base import ScheduleError
+
+    try:
+        eng = Engine(run.params, run.cfg, devices=devices, system=system, link_gbps=args.link_gbps)
+        stops = () if args.ignore_eos else None
+        t0 = time.perf_counter()
+        if not args.no_warmup:  # compile prefill + decode pieces of this schedule and length
+            eng.generate(ids, min(2, args.max_new_tokens), schedule=args.schedule, stop_ids=())
+        warmup_s = time.perf_counter() - t0 if not args.no_warmup else 0.0
+        trace = TraceRecorder() if args.trace is not None else None
+        res = eng.generate(ids, args.max_new_tokens, schedule=args.schedule, stop_ids=stops, trace=trace)
+    except (PlacementError, ScheduleError) as e:
+        raise InputError(str(e)) from None
+    if trace is not None:
+        trace.meta.update(model=run.model, schedule=res.schedule, link_gbps=args.link_gbps, devices=devices)
+        trace.write(args.trace)
+    eng.close()
+    text = run.tokenizer.decode(res.tokens)
+    tpot_s = float(sum(res.decode_s) / len(res.decode_s)) if res.decode_s else float("nan")
+    print(text)
+    print(
+        f"[{run.model}] schedule {res.schedule} ({args.schedule}) on {eng.placement.describe()}; prompt {len(ids)} "
+        f"tokens, generated {len(res.tokens)}; TTFT {res.ttft_s * 1e3:.1f} ms, decode {tpot_s * 1e3:.2f} ms/token"
+        + (f"; trace {args.trace}" if args.trace else "")
+    )
+    if args.json:
+        record = {
+            "model": run.model,
+            "checkpoint": str(run.checkpoint),
+            "tokenizer": run.tokenizer.name,
+            "prompt_tokens": len(ids),
+            "prompt_ids": ids,
+            "tokens": res.tokens,
+            "text": text,
+            "ttft_s": res.ttft_s,
+            "tpot_s": tpot_s if math.isfinite(tpot_s) else None,
+            "decode_s": res.decode_s,
+            "warmup_s": warmup_s,
+            "temperature": 0.0,
+            "top_p": args.top_p,
+            "seed": args.seed,
+            "schedule": res.schedule,
+            "schedule_requested": args.schedule,
+            "devices": devices,
+            "link_gbps": args.link_gbps,
+            "prefill_s": res.prefill_s,
+            "streamed_bytes": res.streamed_bytes,
+            "trace": str(args.trace) if args.trace else None,
         }
         print(json.dumps(record))
     return 0
@@ -281,6 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the config's eos_token_id")
     g.add_argument("--no-warmup", action="store_true", help="include XLA compilation in TTFT/decode times")
     g.add_argument("--json", action="store_true", help="end stdout with one JSON line")
+    add_engine_args(g)
     g.set_defaults(func=cmd_generate)
 
     lg = sub.add_parser("logits", help="teacher-forced logits of every position")
@@ -318,6 +415,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point. argv None means a real command line: then the persistent compilation
     cache is enabled (in-process callers such as tests keep their own jax settings)."""
     args = build_parser().parse_args(argv)
+    if getattr(args, "devices", None) is not None:
+        if args.devices < 1:
+            print(f"hmoe: error: --devices must be >= 1, got {args.devices}", file=sys.stderr)
+            return 1
+        from hmoe_jax.runtime.placement import PlacementError, configure_stand_ins
+
+        try:  # before jax initialises its backend: host + N stand-in CPU devices
+            configure_stand_ins(args.devices)
+        except PlacementError as e:
+            print(f"hmoe: error: {e}", file=sys.stderr)
+            return 1
     if argv is None:
         enable_compilation_cache()
     try:

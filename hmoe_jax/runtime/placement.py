@@ -37,7 +37,7 @@ def configure_stand_ins(num_accelerators: int) -> None:
         jax.config.update("jax_num_cpu_devices", want)
     except RuntimeError as e:  # backend already up
         have = len(jax.devices("cpu"))
-        if have < want:
+        if have < int(num_accelerators):  # == N works: the host doubles as stand-in 0
             raise PlacementError(
                 f"need {want} CPU devices (host + {num_accelerators} stand-ins) but jax already started with {have}; "
                 "set jax_num_cpu_devices before the first jax call"
