@@ -65,51 +65,75 @@ def _split_layer(layer: LayerParams) -> tuple[LayerParams, Any]:
     return layer, None
 
 
-def _layer_body(
+def _ffn_body(
     layer: LayerParams,
     experts: Any,
-    h_local: jax.Array,
+    h: jax.Array,
     *,
     cfg: ModelConfig,
-    layout: ZigzagLayout,
+    n_ranks: int,
     scheme: str,
     expert_fn: ExpertFn,
     capacity: int | None,
 ):
-    """One decoder layer on one rank. h_local [B, 2C, D] -> (h_out [B, 2C, D], latent
-    [B, S_pad, R], k_rope [B, S_pad, dr], ids [B 2C, k] (MoE) , dropped [])."""
-    n = layout.n_ranks
-    h, lat, rop = cp_attention_block(layer, cfg, h_local, layout, axis=AXIS)
+    """Post-attention norm + FFN + residual on one rank. h [B, 2C, D] -> h_out [B, 2C, D];
+    MoE layers also return (ids [B 2C, k], dropped [])."""
     x = rms_norm(h, layer.ffn_norm, cfg.rms_norm_eps)
     b, t, d = x.shape
     if experts is None:
-        return h + swiglu(layer.ffn, x), lat, rop
+        return h + swiglu(layer.ffn, x)
     moe = dataclasses.replace(layer.ffn, experts=experts)
     xf = x.reshape(b * t, d)
     if scheme == "smallep":
-        out, ids = smallep_moe(moe, cfg, xf, axis=AXIS, n_ranks=n, expert_fn=expert_fn)
+        out, ids = smallep_moe(moe, cfg, xf, axis=AXIS, n_ranks=n_ranks, expert_fn=expert_fn)
         dropped = jnp.zeros((), jnp.int32)
     else:
-        out, ids, dropped = ep_moe(moe, cfg, xf, axis=AXIS, n_ranks=n, capacity=capacity, expert_fn=expert_fn)
-    return h + out.reshape(b, t, d), lat, rop, ids, dropped
+        out, ids, dropped = ep_moe(
+            moe, cfg, xf, axis=AXIS, n_ranks=n_ranks, capacity=capacity, expert_fn=expert_fn
+        )
+    return h + out.reshape(b, t, d), ids, dropped
 
 
 @functools.cache
-def _layer_fn(
-    mesh: Mesh, cfg: ModelConfig, layout: ZigzagLayout, moe: bool, scheme: str, expert_fn, capacity
-):
+def attn_fn(mesh: Mesh, cfg: ModelConfig, layout: ZigzagLayout):
+    """Jitted CP attention block: (layer without experts, h [B, S_pad, D] zig-zag, sharded)
+    -> (h, latent [B, S_pad, R], k_rope [B, S_pad, dr]) (caches replicated, natural order)."""
+    seq = P(None, AXIS)
+    body = lambda layer, h: cp_attention_block(layer, cfg, h, layout, axis=AXIS)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), seq), out_specs=(seq, P(), P())))
+
+
+@functools.cache
+def ffn_fn(mesh: Mesh, cfg: ModelConfig, moe: bool, scheme: str, expert_fn: ExpertFn, capacity: int | None):
+    """Jitted FFN block: (layer without experts, experts sharded P(AXIS) or None, h) -> h
+    (dense) or (h, ids [B S_pad, k] rank-major, dropped) (MoE)."""
     body = functools.partial(
-        _layer_body, cfg=cfg, layout=layout, scheme=scheme, expert_fn=expert_fn, capacity=capacity
+        _ffn_body, cfg=cfg, n_ranks=mesh.devices.size, scheme=scheme, expert_fn=expert_fn, capacity=capacity
     )
     seq = P(None, AXIS)
-    if moe:
-        out_specs = (seq, P(), P(), P(AXIS), P())
-        exp_spec = P(AXIS)
-    else:
-        out_specs = (seq, P(), P())
-        exp_spec = P()
-    f = jax.shard_map(body, mesh=mesh, in_specs=(P(), exp_spec, seq), out_specs=out_specs)
-    return jax.jit(f)
+    out_specs = (seq, P(AXIS), P()) if moe else seq
+    return jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P(), P(AXIS) if moe else P(), seq), out_specs=out_specs)
+    )
+
+
+def moe_comm_record(cfg: ModelConfig, n: int, tokens: int, scheme: str, ids: Any, act_bytes: int = 4) -> dict:
+    """This layer's MoE traffic under the scheme that ran and under the other one (from the
+    actual routing `ids` for EP)."""
+    sm = smallep_comm(n, tokens, cfg.hidden_size, act_bytes)
+    ep = ep_comm(np.asarray(ids), n, cfg.n_routed_experts, cfg.hidden_size, act_bytes)
+    return {
+        "moe": (sm if scheme == "smallep" else ep).as_dict(),
+        "moe_alternative": (ep if scheme == "smallep" else sm).as_dict(),
+    }
+
+
+def check_dropped(dropped: Any, layer: int, capacity: int | None) -> None:
+    if int(dropped):
+        raise RuntimeError(
+            f"dist_prefill: standard EP dropped {int(dropped)} (token, expert) pairs in layer {layer} "
+            f"(ep_capacity={capacity}); raise the capacity or leave it None"
+        )
 
 
 @functools.cache
@@ -195,27 +219,18 @@ def dist_prefill(
         if i + 1 < n_layers:
             nxt = put(i + 1)  # issued before layer i computes: the copies overlap it
         is_moe = cur[1] is not None
-        f = _layer_fn(mesh, cfg, layout, is_moe, moe_scheme, expert_fn, ep_capacity)
-        outs = f(cur[0], cur[1], h)
-        h, lat, rop = outs[:3]
+        h, lat, rop = attn_fn(mesh, cfg, layout)(cur[0], h)
         lats.append(jax.device_put(lat, cache_device))
         rops.append(jax.device_put(rop, cache_device))
-        rec = {
-            "layer": i,
-            "attention": cp_attention_comm(n, layout.padded_len * b, cfg.cache_dim, act_bytes).as_dict(),
-        }
+        outs = ffn_fn(mesh, cfg, is_moe, moe_scheme, expert_fn, ep_capacity)(cur[0], cur[1], h)
+        tokens_all = layout.padded_len * b
+        rec = {"layer": i, "attention": cp_attention_comm(n, tokens_all, cfg.cache_dim, act_bytes).as_dict()}
         if is_moe:
-            ids, dropped = outs[3], int(outs[4])
-            if dropped:
-                raise RuntimeError(
-                    f"dist_prefill: standard EP dropped {dropped} (token, expert) pairs in layer {i} "
-                    f"(ep_capacity={ep_capacity}); raise the capacity or leave it None"
-                )
-            tokens_all = layout.padded_len * b
-            sm = smallep_comm(n, tokens_all, cfg.hidden_size, act_bytes)
-            ep = ep_comm(np.asarray(ids), n, cfg.n_routed_experts, cfg.hidden_size, act_bytes)
-            rec["moe"] = (sm if moe_scheme == "smallep" else ep).as_dict()
-            rec["moe_alternative"] = (ep if moe_scheme == "smallep" else sm).as_dict()
+            h, ids, dropped = outs
+            check_dropped(dropped, i, ep_capacity)
+            rec.update(moe_comm_record(cfg, n, tokens_all, moe_scheme, ids, act_bytes))
+        else:
+            h = outs
         comm.append(rec)
 
     norm, lm_head = streamer.replicated(n_layers, (params.norm, params.lm_head))

@@ -49,42 +49,68 @@ class RankStreamer:
         self.log: list[StreamRecord] = []
         self._rank_of = {d: r for r, d in enumerate(mesh.devices.flat)}
 
+    @property
+    def local_ranks(self) -> list[int]:
+        """Ranks whose device this process can address (all of them in one process)."""
+        return [self._rank_of[d] for d in NamedSharding(self.mesh, P()).addressable_devices]
+
+    def device(self, rank: int):
+        return self.mesh.devices.flat[rank]
+
+    def rank_copy(
+        self, layer: int, rank: int, tree: Any, what: str, experts: tuple[int, int] = (0, 0)
+    ) -> Any:
+        """Copy `tree` (host arrays) to rank's device only, and log it."""
+        nbytes = sum(_nbytes(x) for x in jax.tree_util.tree_leaves(tree))
+        self.log.append(StreamRecord(layer, rank, what, tuple(experts), nbytes))
+        return jax.device_put(tree, self.device(rank))
+
+    def assemble_sharded(self, pieces: dict[int, Any], like: Any) -> Any:
+        """Per-rank expert slices {rank: tree of [El, ...] on its device} -> one tree of
+        global [E, ...] arrays sharded P(axis) (no data moves). `like`: the host tree."""
+        sharding = NamedSharding(self.mesh, P(AXIS))
+        ranks = self.local_ranks
+        flat = [jax.tree_util.tree_leaves(pieces[r]) for r in ranks]
+        full, treedef = jax.tree_util.tree_flatten(like)
+        out = [
+            jax.make_array_from_single_device_arrays(tuple(full[j].shape), sharding, [f[j] for f in flat])
+            for j in range(len(full))
+        ]
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+    def assemble_replicated(self, pieces: dict[int, Any]) -> Any:
+        """Per-rank full copies {rank: tree on its device} -> one replicated tree."""
+        sharding = NamedSharding(self.mesh, P())
+        ranks = self.local_ranks
+        flat = [jax.tree_util.tree_leaves(pieces[r]) for r in ranks]
+        _, treedef = jax.tree_util.tree_flatten(pieces[ranks[0]])
+        out = [
+            jax.make_array_from_single_device_arrays(tuple(flat[0][j].shape), sharding, [f[j] for f in flat])
+            for j in range(len(flat[0]))
+        ]
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+    def expert_range(self, n_experts: int, rank: int) -> tuple[int, int]:
+        if n_experts % self.n_ranks:
+            raise ValueError(f"RankStreamer: {n_experts} experts are not divisible by {self.n_ranks} ranks")
+        el = n_experts // self.n_ranks
+        return rank * el, (rank + 1) * el
+
     def experts(self, layer: int, experts: ExpertsParams) -> ExpertsParams:
         """Shard a layer's experts over the ranks: rank r gets experts [r El, (r+1) El)."""
-        leaves, treedef = jax.tree_util.tree_flatten(experts)
-        e = leaves[0].shape[0]
-        if e % self.n_ranks:
-            raise ValueError(
-                f"RankStreamer: layer {layer} has {e} experts, not divisible by {self.n_ranks} ranks"
-            )
-        el = e // self.n_ranks
-        sharding = NamedSharding(self.mesh, P(AXIS))
-        rank_bytes = [0] * self.n_ranks
-        out = []
-        for leaf in leaves:
-            if leaf.shape[0] != e:
-                raise ValueError(
-                    f"RankStreamer: layer {layer} expert leaf {leaf.shape} is not stacked on E={e}"
-                )
-            pieces = []
-            for d in sharding.addressable_devices:
-                r = self._rank_of[d]
-                part = leaf[r * el : (r + 1) * el]  # a view of the host copy
-                rank_bytes[r] += _nbytes(part)
-                pieces.append(jax.device_put(part, d))
-            out.append(jax.make_array_from_single_device_arrays(leaf.shape, sharding, pieces))
-        for d in sharding.addressable_devices:
-            r = self._rank_of[d]
-            self.log.append(StreamRecord(layer, r, "experts", (r * el, (r + 1) * el), rank_bytes[r]))
-        return jax.tree_util.tree_unflatten(treedef, out)
+        e = jax.tree_util.tree_leaves(experts)[0].shape[0]
+        pieces = {}
+        for r in self.local_ranks:
+            lo, hi = self.expert_range(e, r)
+            part = jax.tree_util.tree_map(lambda x, lo=lo, hi=hi: x[lo:hi], experts)  # views of the host copy
+            pieces[r] = self.rank_copy(layer, r, part, "experts", (lo, hi))
+        return self.assemble_sharded(pieces, experts)
 
     def replicated(self, layer: int, tree: Any) -> Any:
         """Every rank gets the whole tree (non-expert weights of the layer)."""
-        sharding = NamedSharding(self.mesh, P())
-        nbytes = sum(_nbytes(x) for x in jax.tree_util.tree_leaves(tree))
-        for d in sharding.addressable_devices:
-            self.log.append(StreamRecord(layer, self._rank_of[d], "replicated", (0, 0), nbytes))
-        return jax.device_put(tree, sharding)
+        return self.assemble_replicated(
+            {r: self.rank_copy(layer, r, tree, "replicated") for r in self.local_ranks}
+        )
 
     def expert_bytes_by_rank(self) -> dict[int, int]:
         out = {r: 0 for r in range(self.n_ranks)}
