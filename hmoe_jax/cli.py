@@ -247,8 +247,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="run the hybrid engine with this prefill schedule (decode: routed experts on the CPU)",
     )
-    p.add_argument("--devices", type=int, default=None, help="accelerators (stand-in CPU devices without a GPU)")
-    p.add_argument("--trace", type=Path, default=None, help="write a Chrome trace-event JSON (Perfetto) of the run")
+    p.add_argument(
+        "--devices", type=int, default=None, help="accelerators (stand-in CPU devices without a GPU)"
+    )
+    p.add_argument(
+        "--trace", type=Path, default=None, help="write a Chrome trace-event JSON (Perfetto) of the run"
+    )
     p.add_argument(
         "--link-gbps",
         type=float,
@@ -267,7 +271,9 @@ def cmd_generate_engine(args: argparse.Namespace, run: Run, ids: list[int]) -> i
     if args.temperature != 0.0:
         raise InputError(f"--schedule runs greedy decoding; --temperature must be 0, got {args.temperature}")
     if args.schedule not in SCHEDULES:
-        raise InputError(f"--schedule {args.schedule}: not registered in this build (registered: {sorted(SCHEDULES)})")
+        raise InputError(
+            f"--schedule {args.schedule}: not registered in this build (registered: {sorted(SCHEDULES)})"
+        )
     if args.link_gbps is not None and args.link_gbps <= 0:
         raise InputError(f"--link-gbps must be > 0, got {args.link_gbps}")
     if args.trace is not None and not args.trace.resolve().parent.is_dir():
