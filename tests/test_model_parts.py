@@ -15,6 +15,7 @@ import torch
 from hmoe_jax.config import RopeConfig
 from hmoe_jax.model.generate import generate, sample
 from hmoe_jax.model.layers import linear, rms_norm
+from hmoe_jax.model.mla import mla_attention
 from hmoe_jax.model.model import forward, forward_nocache, init_cache
 from hmoe_jax.model.moe import experts_ref, moe_block, route
 from hmoe_jax.model.params import ExpertsParams, MoEParams
@@ -209,6 +210,41 @@ def test_moe_block_matches_hf_module(ds_model):
         ref = model.model.layers[layer].mlp(torch.as_tensor(x)).numpy()[0]
     out = np.asarray(moe_block(params.layers[layer].ffn, cfg, jnp.asarray(x[0])))
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("x_scale", [1.0, 1e-3])
+def test_mla_with_cache_matches_hf_attention(ds_model, x_scale):
+    """One attention module, prefill 6 tokens then decode 1, vs HF's DeepseekV3Attention with
+    its DynamicCache: outputs, and our cache == HF's cached (latent, k_rope). x_scale 1e-3
+    makes the LoRA norms' eps (1e-6, not rms_norm_eps) visible."""
+    from transformers.cache_utils import DynamicCache
+
+    cfg, model, state = ds_model
+    cfg = dataclasses.replace(cfg, rms_norm_eps=1e-5)  # only the LoRA norms run here
+    params = params_from_state(cfg, state)
+    attn = model.model.layers[0].self_attn
+    x = (x_scale * RNG.standard_normal((1, 7, cfg.hidden_size))).astype(np.float32)
+    xt = torch.as_tensor(x)
+    cache = DynamicCache(config=model.config)
+    causal = torch.triu(torch.full((6, 6), float("-inf")), 1)[None, None]
+    with torch.no_grad():
+        pe = model.model.rotary_emb(xt, torch.arange(7)[None])
+        pre = (pe[0][:, :6], pe[1][:, :6])
+        ref_a = attn(xt[:, :6], position_embeddings=pre, attention_mask=causal, past_key_values=cache)[
+            0
+        ].numpy()
+        dec = (pe[0][:, 6:], pe[1][:, 6:])
+        ref_b = attn(
+            xt[:, 6:], position_embeddings=dec, attention_mask=torch.zeros(1, 1, 1, 7), past_key_values=cache
+        )[0].numpy()
+    lat, rop = jnp.zeros((1, 8, cfg.kv_lora_rank)), jnp.zeros((1, 8, cfg.qk_rope_head_dim))
+    out_a, lat, rop = mla_attention(params.layers[0].attn, cfg, jnp.asarray(x[:, :6]), lat, rop, 0)
+    out_b, lat, rop = mla_attention(params.layers[0].attn, cfg, jnp.asarray(x[:, 6:]), lat, rop, 6)
+    for ours, ref in ((out_a, ref_a), (out_b, ref_b)):
+        np.testing.assert_allclose(np.asarray(ours), ref, rtol=0, atol=2e-5 * np.abs(ref).max())
+    hf_lat, hf_rop = cache.layers[0].keys.numpy()[:, 0], cache.layers[0].values.numpy()[:, 0]  # [1, 7, .]
+    np.testing.assert_allclose(np.asarray(lat)[:, :7], hf_lat, rtol=0, atol=1e-5 * np.abs(hf_lat).max())
+    np.testing.assert_allclose(np.asarray(rop)[:, :7], hf_rop, rtol=0, atol=1e-5 * np.abs(hf_rop).max())
 
 
 def test_fp8_linear_dequantizes_blocks():
