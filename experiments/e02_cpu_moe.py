@@ -163,6 +163,93 @@ def peak_tflops(threads: int) -> tuple[float | None, str]:
         return None, f"unavailable: {e}"
 
 
+class Bench:
+    """Variants of one M, sharing a call counter that rotates layers and routing sets."""
+
+    def __init__(self, layers, kt_layers, routed, n_experts: int, threads: int, rng: np.random.Generator):
+        self.layers, self.kt_layers, self.routed = layers, kt_layers, routed
+        self.n_experts, self.threads, self.rng = n_experts, threads, rng
+        self.n_layers = len(layers["fp8"])
+        self.calls = 0
+
+    def _step(self, n_sets: int) -> tuple[int, int]:
+        self.calls += 1
+        return self.calls % self.n_layers, self.calls % n_sets
+
+    def run(self, m: int, rounds: int, probe: Any | None, n_sets: int = 8):
+        rng = self.rng
+        ids = [
+            np.stack([rng.choice(self.n_experts, TOP_K, replace=False) for _ in range(m)]).astype(np.int32)
+            for _ in range(n_sets)
+        ]
+        ws = [rng.random((m, TOP_K)).astype(np.float32) for _ in range(n_sets)]
+        x = jnp.asarray(rng.standard_normal((m, D)).astype(np.float32))  # [M, D]
+        shared_ids, shared_w = jnp.zeros((m, 1), jnp.int32), jnp.ones((m, 1), jnp.float32)
+
+        def ours(fmt: str, sched: str, with_shared: bool):
+            def run():
+                li, si = self._step(n_sets)
+                lay = self.layers[fmt][li]
+                y = self.routed[sched](x, ids[si], ws[si], lay["routed"])
+                if with_shared:  # the shared expert: the same op and kernels, E = 1
+                    y = y + self.routed["fine"](x, shared_ids, shared_w, lay["shared"])
+                return y
+
+            return run
+
+        variants = {
+            f"{fmt}_{sched}{'_layer' if sh else ''}": ours(fmt, sched, sh)
+            for fmt in ("fp8", "int4")
+            for sched, sh in (("fine", False), ("coarse", False), ("fine", True))
+        }
+        if self.kt_layers:
+            x_bf16 = np.asarray(x).astype(ml_dtypes.bfloat16)
+            out_bf16 = np.zeros((m, D), ml_dtypes.bfloat16)
+            ids64 = [s.astype(np.int64) for s in ids]
+
+            def kt_run():
+                li, si = self._step(n_sets)
+                return self.kt_layers[li](x_bf16, ids64[si], ws[si], out_bf16)
+
+            variants["kt_fp8"] = kt_run
+        if probe is not None:
+            variants["read_probe_1gib"] = lambda: read_bytes(probe, num_threads=self.threads)
+        distinct = float(np.mean([len(np.unique(s)) for s in ids]))
+        return interleaved_timings(variants, rounds=rounds, warmup=1), distinct
+
+    @staticmethod
+    def rows(m: int, stats: dict, distinct: float) -> list[dict[str, Any]]:
+        out = []
+        for name, st in stats.items():
+            if name.startswith("read_probe"):
+                out.append(
+                    {"m": m, "variant": name, "bytes": GIB, **st.as_dict(), "gbps": GIB / st.median_s / 1e9}
+                )
+                continue
+            fmt = "fp8" if name.startswith("kt") else name.split("_")[0]
+            extra = 1 if name.endswith("_layer") else 0  # + the shared expert
+            nbytes = (distinct + extra) * expert_bytes(fmt)
+            flops = 2 * 3 * INTER * D * m * (TOP_K + extra)
+            out.append(
+                {
+                    "m": m,
+                    "variant": name,
+                    "format": fmt,
+                    "distinct_experts": distinct + extra,
+                    "weight_bytes": nbytes,
+                    **st.as_dict(),
+                    "gbps": nbytes / st.median_s / 1e9,
+                    "tflops": flops / st.median_s / 1e12,
+                }
+            )
+            print(
+                f"[row] M={m:4d} {name:16s} median {st.median_s * 1e3:9.2f} ms  best {st.best_s * 1e3:9.2f} ms  "
+                f"{nbytes / st.median_s / 1e9:6.2f} GB/s",
+                flush=True,
+            )
+        return out
+
+
 # ---- the experiment ----------------------------------------------------------------------
 
 
@@ -220,87 +307,14 @@ def main(argv: list[str] | None = None) -> dict:
         sched: jax.jit(functools.partial(moe_experts, schedule=sched, num_threads=threads))
         for sched in ("fine", "coarse")
     }
-    shared_ids = {m: jnp.zeros((m, 1), jnp.int32) for m in ms}
-    shared_w = {m: jnp.ones((m, 1), jnp.float32) for m in ms}
-
+    bench = Bench(layers, kt_layers, routed, n_experts, threads, rng)
     rows: list[dict[str, Any]] = []
     read_gbps = None
     for m in ms:
-        n_sets = 8
-        id_sets = [
-            np.stack([rng.choice(n_experts, TOP_K, replace=False) for _ in range(m)]).astype(np.int32)
-            for _ in range(n_sets)
-        ]
-        w_sets = [rng.random((m, TOP_K)).astype(np.float32) for _ in range(n_sets)]
-        x = jnp.asarray(rng.standard_normal((m, D)).astype(np.float32))
-        x_bf16 = np.asarray(x).astype(ml_dtypes.bfloat16)
-        out_bf16 = np.zeros((m, D), ml_dtypes.bfloat16)
-        distinct = float(np.mean([len(np.unique(s)) for s in id_sets]))
-        counter = {"i": 0}
-
-        def step():
-            counter["i"] += 1
-            i = counter["i"]
-            return i % n_layers, i % n_sets
-
-        def ours(fmt: str, sched: str, with_shared: bool):
-            def run():
-                li, si = step()
-                lay = layers[fmt][li]
-                y = routed[sched](x, id_sets[si], w_sets[si], lay["routed"])
-                if with_shared:
-                    y = y + routed["fine"](x, shared_ids[m], shared_w[m], lay["shared"])
-                return y
-
-            return run
-
-        variants = {
-            "fp8_fine": ours("fp8", "fine", False),
-            "fp8_coarse": ours("fp8", "coarse", False),
-            "fp8_fine_layer": ours("fp8", "fine", True),
-            "int4_fine": ours("int4", "fine", False),
-            "int4_coarse": ours("int4", "coarse", False),
-            "int4_fine_layer": ours("int4", "fine", True),
-        }
-        if kt_layers:
-            ids64 = [s.astype(np.int64) for s in id_sets]
-
-            def kt_run():
-                li, si = step()
-                return kt_layers[li](x_bf16, ids64[si], w_sets[si], out_bf16)
-
-            variants["kt_fp8"] = kt_run
-        if m == 1:
-            variants["read_probe_1gib"] = lambda: read_bytes(probe, num_threads=threads)
-        stats = interleaved_timings(variants, rounds=rounds[m], warmup=1)
+        stats, distinct = bench.run(m, rounds[m], probe if m == 1 else None)
         if m == 1:
             read_gbps = GIB / stats["read_probe_1gib"].median_s / 1e9
-        for name, st in stats.items():
-            if name.startswith("read_probe"):
-                rows.append(
-                    {"m": m, "variant": name, "bytes": GIB, **st.as_dict(), "gbps": GIB / st.median_s / 1e9}
-                )
-                continue
-            fmt = name.split("_")[0] if not name.startswith("kt") else "fp8"
-            n_active = distinct + (1 if name.endswith("_layer") else 0)
-            nbytes = n_active * expert_bytes(fmt)
-            flops = 2 * 3 * INTER * D * m * (TOP_K + (1 if name.endswith("_layer") else 0))
-            rows.append(
-                {
-                    "m": m,
-                    "variant": name,
-                    "format": fmt,
-                    "distinct_experts": n_active,
-                    "weight_bytes": nbytes,
-                    **st.as_dict(),
-                    "gbps": nbytes / st.median_s / 1e9,
-                    "tflops": flops / st.median_s / 1e12,
-                }
-            )
-            print(
-                f"[row] M={m:4d} {name:16s} median {st.median_s * 1e3:9.2f} ms  best {st.best_s * 1e3:9.2f} ms  {nbytes / st.median_s / 1e9:6.2f} GB/s",
-                flush=True,
-            )
+        rows += bench.rows(m, stats, distinct)
 
     def row(m: int, variant: str) -> dict[str, Any] | None:
         return next((r for r in rows if r["m"] == m and r["variant"] == variant), None)
