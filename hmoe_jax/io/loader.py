@@ -218,8 +218,12 @@ class _Loader:
                 f"{self.cat.root}: experts of one layer mix dtypes {sorted(map(str, dtypes))}"
             )
         out = aligned_empty((len(views), *views[0].shape), views[0].dtype)  # [E, ...]
+        # Copy as raw bytes: numpy's same-dtype copy of ml_dtypes (e4m3, bf16) goes through
+        # the dtype's element loop, 3-8x slower than a byte copy (measured 0.7-1.7 vs
+        # 4.8-5.8 GB/s on 16 experts of 2048x7168 FP8).
+        raw = out.view(np.uint8)
         for e, v in enumerate(views):
-            out[e] = v  # reads expert e's bytes from the map exactly once
+            raw[e] = v.view(np.uint8)  # reads expert e's bytes from the map exactly once
         self.stacked_bytes += out.nbytes
         return out
 

@@ -37,7 +37,7 @@ DEFAULT_MODEL = "deepseek_v3_tiny"
 DEFAULT_SEED = 0
 # Bump when the recipe below changes: it is part of the cache key, so old caches are
 # never mistaken for new weights.
-RECIPE_VERSION = 2
+RECIPE_VERSION = 3
 LOGIT_STD = 4.0  # target std of lm_head logits on unit-RMS hidden states
 EMBED_STD = 1.0
 BIAS_STD = 0.05  # router score-correction bias (selection only)

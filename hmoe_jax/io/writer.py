@@ -23,7 +23,15 @@ from tqdm import tqdm
 
 from hmoe_jax.config import ModelConfig, QuantConfig
 from hmoe_jax.io.errors import CheckpointError
-from hmoe_jax.io.loader import FP8_TAG, INDEX_NAME, SCALE_SUFFIX, SINGLE_NAME, open_catalog, validate
+from hmoe_jax.io.loader import (
+    ALIGN_BYTES,
+    FP8_TAG,
+    INDEX_NAME,
+    SCALE_SUFFIX,
+    SINGLE_NAME,
+    open_catalog,
+    validate,
+)
 from hmoe_jax.io.names import expected_tensors, flatten_params
 from hmoe_jax.io.safetensors_io import DTYPES, PlannedTensor, write_file
 from hmoe_jax.model.params import ModelParams
@@ -46,31 +54,41 @@ class _Source:
     load: Callable[[], Any]
 
 
+class _QuantizeOnce:
+    """One FP8 weight quantized on first use; the weight and its scale are separate planned
+    tensors that may be written in either order, and the pair is dropped once both are."""
+
+    def __init__(self, src: _Source, quant: QuantConfig):
+        self.src, self.quant, self.t, self.left = src, quant, None, 2
+
+    def take(self, part: str) -> np.ndarray:
+        if self.t is None:
+            t = self.src.load()
+            q = self.quant
+            if not isinstance(t, Fp8Tensor):
+                t = quantize_np(np.asarray(t, np.float32), q.block_n, q.block_k)
+            elif (t.block_n, t.block_k) != (q.block_n, q.block_k):
+                raise CheckpointError(
+                    f"{self.src.name}: FP8 blocks {t.block_n}x{t.block_k}, writer uses {q.block_n}x{q.block_k}"
+                )
+            self.t = t
+        out = np.asarray(self.t.w) if part == "w" else np.asarray(self.t.scale_inv, np.float32)
+        self.left -= 1
+        if not self.left:
+            self.t = None
+        return out
+
+
 def _plan(sources: list[_Source], fmt: str, quant: QuantConfig) -> list[PlannedTensor]:
-    """Tensors as written, in order; FP8 weights are followed by their scale grid. An FP8
-    tensor is quantized once, and its scale is handed to the next planned tensor."""
+    """Tensors as written; an FP8 weight is followed by its scale grid."""
     out: list[PlannedTensor] = []
     for src in sources:
         if fmt == "fp8" and src.quantized:
-            box: dict[str, np.ndarray] = {}
-
-            def produce_w(src=src, box=box) -> np.ndarray:
-                t = src.load()
-                if not isinstance(t, Fp8Tensor):
-                    t = quantize_np(np.asarray(t, np.float32), quant.block_n, quant.block_k)
-                elif (t.block_n, t.block_k) != (quant.block_n, quant.block_k):
-                    raise CheckpointError(
-                        f"{src.name}: FP8 blocks {t.block_n}x{t.block_k}, writer uses {quant.block_n}x{quant.block_k}"
-                    )
-                box["s"] = np.asarray(t.scale_inv, np.float32)
-                return np.asarray(t.w)
-
+            once = _QuantizeOnce(src, quant)
             grid = scale_grid_shape(src.shape, quant.block_n, quant.block_k)
-            out.append(PlannedTensor(src.name, FP8_DTYPE, src.shape, produce_w))
+            out.append(PlannedTensor(src.name, FP8_DTYPE, src.shape, lambda o=once: o.take("w")))
             out.append(
-                PlannedTensor(
-                    src.name + SCALE_SUFFIX, np.dtype(np.float32), grid, lambda box=box: box.pop("s")
-                )
+                PlannedTensor(src.name + SCALE_SUFFIX, np.dtype(np.float32), grid, lambda o=once: o.take("s"))
             )
             continue
         target = _target_dtype(src, fmt)
@@ -102,8 +120,8 @@ def _shards(plan: list[PlannedTensor], shard_bytes: int | None) -> list[list[Pla
     shards: list[list[PlannedTensor]] = [[]]
     size = 0
     for t in plan:
-        # Keep a weight and its scale together: a reader resolves them by name anyway, but
-        # DeepSeek's release never splits them, and this keeps the FP8 hand-off in order.
+        # Keep a weight and its scale in one shard, as DeepSeek's release does (a reader
+        # resolves them by name anyway; this bounds how long a quantized pair is held).
         joined = t.name.endswith(SCALE_SUFFIX)
         if shards[-1] and not joined and size + t.nbytes > shard_bytes:
             shards.append([])
@@ -135,6 +153,11 @@ def _write(
         leave=False,
     ) as bar:
         for i, shard in enumerate(shards):
+            # Tensors whose size is a multiple of 64 bytes first: the data buffer starts
+            # 64-byte aligned, so each of them is too, and jax.device_put of its memmap view
+            # is then zero-copy (the file's page cache stays the only copy). Stable: the
+            # rest keep their order at the end.
+            shard = sorted(shard, key=lambda t: t.nbytes % ALIGN_BYTES != 0)
             fname = SINGLE_NAME if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
             write_file(out_dir / fname, shard, {"format": "pt"}, on_tensor=lambda t: bar.update(t.nbytes))
             weight_map.update({t.name: fname for t in shard})
