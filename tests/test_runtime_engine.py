@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import json
 
-import numpy as np
 import pytest
 
 from hmoe_jax.config import named_model_config
