@@ -13,6 +13,8 @@ SCHEDULES: dict[str, str] = {
     "cpu": "hmoe_jax.schedules.cpu:CpuSchedule",
     "slp": "hmoe_jax.schedules.slp:SlpSchedule",
     "auto": "hmoe_jax.schedules.auto:AutoSchedule",
+    "dslp": "hmoe_jax.schedules.dslp:DslpSchedule",
+    "ep": "hmoe_jax.schedules.ep:EpSchedule",
 }
 
 

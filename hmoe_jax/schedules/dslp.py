@@ -1,0 +1,185 @@
+"""`dslp`: distributed stream-loading prefill over N accelerators (PAPER.md technique 2).
+
+Per layer: each rank r streams ITS share of the layer's routed experts ([r E/N, (r+1) E/N),
+FP8 as stored) through a slot of the staging ring (loader track h2d:r) plus the layer's
+non-expert weights; attention runs by context parallelism over the zig-zag split of the
+sequence (only the latent cache is all-gathered); the MoE by SmallEP (all-gather the
+unsorted hidden states, every rank routes every token, computes its local experts, one
+weighted partial per token, reduce-scatter back to the owners); dense layers and shared
+experts on the owners. The ring holds two layers of per-rank slots (2N): rank r's load of
+layer i+1 overlaps the compute of layer i. Output: last-token (or all) logits and the latent
+cache where single-device decode expects it.
+
+Options: all_logits (False), staging ("ring": C++ staging ring, the default; "direct":
+jax.device_put from the host copy), ep_capacity (ep only: pair slots per rank pair; None =
+no drop possible). Prefill from position 0 only (chunked continuation uses `cpu`).
+
+The plan is data for the simulator: each dslp_load's bytes is what crosses rank r's
+host link; each compute op's flops are PER RANK (all ranks run it in lock-step), and its
+args.comm gives the bytes its collectives move between ranks (CommVolume.as_dict(); the EP
+figure is the balanced-routing expectation, the executor records the actual one).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import numpy as np
+
+from hmoe_jax.config import ModelConfig
+from hmoe_jax.io.names import expected_tensors
+from hmoe_jax.model.params import ExpertsParams
+from hmoe_jax.quant.fp8 import FP8_DTYPE, Fp8Tensor, scale_grid_shape
+from hmoe_jax.runtime import costs
+from hmoe_jax.runtime import dist_exec as _handlers  # noqa: F401  (registers the op kinds)
+from hmoe_jax.runtime.dist import ZigzagLayout, cp_attention_comm, ep_comm_expected, smallep_comm
+from hmoe_jax.runtime.plan import Plan, PlanBuilder
+from hmoe_jax.runtime.staging import slot_layout
+from hmoe_jax.runtime.system import SystemSpec
+from hmoe_jax.schedules.base import Schedule, ScheduleError
+
+ACC = "acc:all"  # collective ops: every rank in lock-step
+
+
+def layer_rest_bytes(cfg: ModelConfig, layer: int) -> int:
+    """Bytes of a layer's non-expert weights as stored (what every rank receives)."""
+    prefix = f"model.layers.{layer}."
+    total = 0
+    for s in expected_tensors(cfg):
+        if not s.name.startswith(prefix) or ".mlp.experts." in s.name:
+            continue
+        if s.quantized and cfg.quant is not None:
+            total += int(np.prod(s.shape)) + 4 * int(
+                np.prod(scale_grid_shape(s.shape, cfg.quant.block_n, cfg.quant.block_k))
+            )
+        else:
+            total += 4 * int(np.prod(s.shape))
+    return total
+
+
+def rank_slot_bytes(cfg: ModelConfig, experts_per_rank: int) -> int:
+    """Ring slot size for one rank's experts, with the ring's own sub-array alignment."""
+
+    def w(n: int, k: int):
+        if cfg.quant is None:
+            return np.broadcast_to(np.float32(0), (1, n, k))
+        q = cfg.quant
+        return Fp8Tensor(
+            w=np.broadcast_to(np.zeros((), FP8_DTYPE), (1, n, k)),
+            scale_inv=np.broadcast_to(np.float32(0), scale_grid_shape((1, n, k), q.block_n, q.block_k)),
+            block_n=q.block_n,
+            block_k=q.block_k,
+        )
+
+    d, i = cfg.hidden_size, cfg.moe_intermediate_size
+    return slot_layout(ExpertsParams(gate=w(i, d), up=w(i, d), down=w(d, i)), experts_per_rank)[1]
+
+
+class DslpSchedule(Schedule):
+    name = "dslp"
+    moe_scheme: ClassVar[str] = "smallep"
+    min_devices = 1
+    max_devices = None
+
+    def plan(
+        self, cfg: ModelConfig, system: SystemSpec, num_tokens: int, *, devices: int = 1, start_pos: int = 0
+    ) -> Plan:
+        n = self.uses_devices(devices)
+        self.check_devices(n)
+        if start_pos != 0:
+            raise ScheduleError(f"{self.name}: prefills from position 0 only, got start_pos={start_pos}")
+        if cfg.n_routed_experts % n:
+            raise ScheduleError(
+                f"{self.name}: n_routed_experts={cfg.n_routed_experts} is not divisible by devices={n}"
+            )
+        staging = str(self.options.get("staging", "ring"))
+        if staging not in ("ring", "direct"):
+            raise ScheduleError(f"{self.name}: staging={staging!r}, expected 'ring' or 'direct'")
+        all_logits = bool(self.options.get("all_logits", False))
+        capacity = self.options.get("ep_capacity")
+        layout = ZigzagLayout.for_sequence(num_tokens, n)
+        t_pad, k, el = layout.padded_len, cfg.num_experts_per_tok, cfg.n_routed_experts // n
+        per_rank_tokens = t_pad // n
+        b = PlanBuilder(self.name, num_tokens)
+        h = b.add(
+            "dslp_embed", ACC, ranks=n, scheme=self.moe_scheme, ep_capacity=capacity, tokens=[0, num_tokens]
+        )
+        slot_free: dict[int, int] = {}  # slot -> the unload that last freed it
+        moe_layers = 0
+        for layer in range(cfg.num_hidden_layers):
+            moe = cfg.is_moe_layer(layer)
+            loads = []
+            for r in range(n):
+                slot = (moe_layers % 2) * n + r if (moe and staging == "ring") else -1
+                loads.append(
+                    b.add(
+                        "dslp_load",
+                        f"h2d:{r}",
+                        layer=layer,
+                        bytes=layer_rest_bytes(cfg, layer) + (el * costs.expert_bytes(cfg) if moe else 0),
+                        deps=[slot_free.get(slot)],
+                        rank=r,
+                        slot=slot,
+                        experts=[r * el, (r + 1) * el] if moe else None,
+                    )
+                )
+            # Per rank: projections of its T/N tokens + its balanced share of causal attention.
+            h = b.add(
+                "dslp_attn",
+                ACC,
+                layer=layer,
+                flops=costs.attn_flops(cfg, t_pad) // n,
+                deps=[h, *loads],
+                comm=cp_attention_comm(n, t_pad, cfg.cache_dim).as_dict(),
+            )
+            if not moe:
+                h = b.add(
+                    "dslp_ffn", ACC, layer=layer, flops=costs.dense_ffn_flops(cfg, per_rank_tokens), deps=[h]
+                )
+                continue
+            comm = (
+                smallep_comm(n, t_pad, cfg.hidden_size)
+                if self.moe_scheme == "smallep"
+                else ep_comm_expected(n, t_pad, cfg.hidden_size, k)
+            )
+            # SmallEP routes all T tokens on every rank; EP only its own. Experts: T k / N rows per rank.
+            route_tokens = t_pad if self.moe_scheme == "smallep" else per_rank_tokens
+            h = b.add(
+                "dslp_moe",
+                ACC,
+                layer=layer,
+                flops=costs.router_flops(cfg, route_tokens)
+                + costs.expert_flops(cfg, t_pad * k // n)
+                + costs.shared_flops(cfg, per_rank_tokens),
+                bytes=el * costs.expert_bytes(cfg),
+                deps=[h],
+                scheme=self.moe_scheme,
+                comm=comm.as_dict(),
+            )
+            for r in range(n):
+                slot = loads[r]
+                s = b.ops[slot].args["slot"]
+                u = b.add("dslp_unload", f"unload:{r}", layer=layer, deps=[h], slot=s, rank=r)
+                if s >= 0:
+                    slot_free[s] = u
+            moe_layers += 1
+        b.add(
+            "dslp_final",
+            ACC,
+            flops=costs.lm_head_flops(cfg, num_tokens if all_logits else 1),
+            deps=[h],
+            rows="all" if all_logits else "last",
+        )
+        meta = dict(
+            devices=n,
+            start_pos=0,
+            moe_scheme=self.moe_scheme,
+            staging=staging,
+            padded_tokens=t_pad,
+            experts_per_rank=el,
+            all_logits=all_logits,
+            smallep_beats_ep=n <= k,
+        )
+        if staging == "ring" and moe_layers:
+            meta.update(ring_slots=2 * n, slot_bytes=rank_slot_bytes(cfg, el))
+        return b.build(**meta)
