@@ -3,6 +3,8 @@ tokenizer.json through the `tokenizers` library."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
@@ -54,6 +56,28 @@ def test_tokenizer_json_used_when_present(tmp_path):
     # Without a tokenizer.json (or no checkpoint at all): the byte fallback.
     assert isinstance(load_tokenizer(tmp_path / "missing", 512), ByteTokenizer)
     assert isinstance(load_tokenizer(None, 512), ByteTokenizer)
+
+
+def test_add_bos_token_from_tokenizer_config(tmp_path):
+    """DeepSeek-V3's tokenizer.json has no BOS post-processor; tokenizer_config.json says
+    add_bos_token: the BOS must still come first (once)."""
+    ref = _hf_tokenizer(tmp_path)
+    ref.post_processor = None
+    ref.save(str(tmp_path / "tokenizer.json"))
+    assert ref.encode("the engine").ids == [3, 5]
+    assert load_tokenizer(tmp_path, 6).encode("the engine") == [3, 5]  # no config: as the library
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"add_bos_token": True, "bos_token": {"content": "<s>"}})
+    )
+    assert load_tokenizer(tmp_path, 6).encode("the engine") == [0, 3, 5]
+    _hf_tokenizer(tmp_path)  # with the BOS post-processor again: not doubled
+    assert load_tokenizer(tmp_path, 6).encode("the engine") == [0, 3, 5]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": True, "bos_token": "<bos>"}))
+    with pytest.raises(
+        CheckpointError,
+        match=r"tokenizer_config.json: add_bos_token is set but bos_token '<bos>' is not in tokenizer.json",
+    ):
+        load_tokenizer(tmp_path, 6)
 
 
 def test_corrupt_tokenizer_json(tmp_path):

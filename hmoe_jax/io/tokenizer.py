@@ -10,12 +10,14 @@ replaced (U+FFFD), so decode(encode(s)) == s for any str s.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Protocol
 
 from hmoe_jax.io.errors import CheckpointError
 
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 
 
 class Tokenizer(Protocol):
@@ -54,8 +56,10 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A tokenizer.json; encode adds the special tokens its post-processor defines (e.g.
-    DeepSeek's <｜begin▁of▁sentence｜>), decode skips special tokens."""
+    """A tokenizer.json; encode adds the special tokens its post-processor defines, decode
+    skips special tokens. Many releases (DeepSeek-V3 among them) leave the BOS to
+    transformers' `add_bos_token` in tokenizer_config.json instead of the post-processor:
+    that flag is honoured too, so the model sees the BOS it was trained with."""
 
     name = "tokenizer.json"
 
@@ -65,15 +69,36 @@ class HFTokenizer:
         try:
             self._tok = _Tok.from_file(str(path))
         except Exception as e:  # the library raises a bare Exception on bad files
-            raise CheckpointError(
-                f"{path}: cannot read tokenizer ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
-            ) from None
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise CheckpointError(f"{path}: cannot read tokenizer ({first})") from None
+        self.bos_id = _config_bos_id(path.with_name(TOKENIZER_CONFIG_FILE), self._tok)
 
     def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=True).ids)
+        ids = list(self._tok.encode(text, add_special_tokens=True).ids)
+        if self.bos_id is not None and ids[:1] != [self.bos_id]:
+            ids.insert(0, self.bos_id)
+        return ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+
+def _config_bos_id(path: Path, tok) -> int | None:
+    """The BOS id to prepend per tokenizer_config.json (add_bos_token + bos_token), or None."""
+    if not path.exists():
+        return None
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not cfg.get("add_bos_token"):
+        return None
+    bos = cfg.get("bos_token")
+    bos = bos.get("content") if isinstance(bos, dict) else bos
+    bos_id = tok.token_to_id(bos) if isinstance(bos, str) else None
+    if bos_id is None:
+        raise CheckpointError(f"{path}: add_bos_token is set but bos_token {bos!r} is not in tokenizer.json")
+    return bos_id
 
 
 def load_tokenizer(checkpoint: str | Path | None, vocab_size: int) -> Tokenizer:
