@@ -174,7 +174,14 @@ class Engine:
         self, tok: int, pos: int, cache: LayerCache, trace: TraceRecorder | None = None
     ) -> jax.Array:
         """One token at position `pos` with the decode placement -> logits [V]."""
-        plan = self.plan("cpu", 1, pos)
+        # The decode plan's structure does not depend on pos (only attention FLOPs do): build
+        # it once; with a trace, build the exact one so the recorded plan meta is right.
+        if trace is not None:
+            plan = self.plan("cpu", 1, pos)
+        else:
+            if 1 not in self._decode_plans:
+                self._decode_plans[1] = self.plan("cpu", 1, 0)
+            plan = self._decode_plans[1]
         run, _ = self.run_plan(
             plan, np.array([[tok]], np.int32), cache, pos, mode=self.decode_mode, trace=trace
         )

@@ -20,17 +20,32 @@ constexpr size_t kChunkBytes = 1 << 20;     // unit of work shared by the copy t
 
 // On a GPU host, page-lock the arena so host->device copies can DMA from it directly.
 // cudart is optional: without it (CPU-only hosts) the arena is just aligned memory.
+void* cudart() {
+  for (const char* lib : {"libcudart.so.12", "libcudart.so.13", "libcudart.so"}) {
+    // Prefer the cudart the JAX CUDA plugin already loaded (same driver context).
+    if (void* h = dlopen(lib, RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD)) return h;
+  }
+  for (const char* lib : {"libcudart.so.12", "libcudart.so.13", "libcudart.so"}) {
+    if (void* h = dlopen(lib, RTLD_NOW | RTLD_LOCAL)) return h;
+  }
+  return nullptr;
+}
+
 bool try_pin(void* p, size_t bytes) {
   if (const char* env = std::getenv("HMOE_STAGING_PIN"); env && std::string(env) == "0") return false;
-  for (const char* lib : {"libcudart.so", "libcudart.so.12", "libcudart.so.13"}) {
-    void* h = dlopen(lib, RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
-    if (!h) h = dlopen(lib, RTLD_NOW | RTLD_LOCAL);
-    if (!h) continue;
-    using RegFn = int (*)(void*, size_t, unsigned);
-    auto reg = reinterpret_cast<RegFn>(dlsym(h, "cudaHostRegister"));
-    if (reg && reg(p, bytes, 0) == 0) return true;
-  }
-  return false;
+  void* h = cudart();
+  if (!h) return false;
+  using RegFn = int (*)(void*, size_t, unsigned);
+  auto reg = reinterpret_cast<RegFn>(dlsym(h, "cudaHostRegister"));
+  constexpr unsigned kPortable = 1;  // cudaHostRegisterPortable: pinned for every CUDA context
+  return reg && reg(p, bytes, kPortable) == 0;
+}
+
+void unpin(void* p) {
+  void* h = cudart();
+  if (!h) return;
+  using UnregFn = int (*)(void*);
+  if (auto unreg = reinterpret_cast<UnregFn>(dlsym(h, "cudaHostUnregister"))) unreg(p);
 }
 }  // namespace
 
@@ -69,6 +84,7 @@ StagingRing::~StagingRing() {
   cv_work_.notify_all();
   link_.join();
   for (auto& t : helpers_) t.join();
+  if (pinned_) unpin(arena_);
   std::free(arena_);
 }
 
