@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from hmoe_jax.config import RopeConfig
+from hmoe_jax.config import RopeConfig, named_model_config
 from hmoe_jax.model.generate import generate, sample
 from hmoe_jax.model.layers import linear, rms_norm
 from hmoe_jax.model.mla import mla_attention
 from hmoe_jax.model.model import forward, forward_nocache, init_cache
 from hmoe_jax.model.moe import experts_ref, moe_block, route
-from hmoe_jax.model.params import ExpertsParams, MoEParams
+from hmoe_jax.model.params import ExpertsParams, MLAParams, MoEParams
 from hmoe_jax.model.rope import apply_rope, rope_cos_sin, rope_parameters
 from hmoe_jax.quant.fp8 import dequantize_np, quantize_np
 from tests.hf_ref import (
@@ -31,6 +31,10 @@ from tests.hf_ref import (
 )
 
 RNG = np.random.default_rng(0)
+# Jitted once each: op-by-op dispatch would compile every primitive separately.
+MLA_JIT = jax.jit(mla_attention, static_argnums=1)
+ROUTE_JIT = jax.jit(route, static_argnums=1)
+MOE_JIT = jax.jit(moe_block, static_argnums=1)
 
 ROPES = {
     "default": RopeConfig(theta=10000.0),
@@ -148,7 +152,7 @@ def test_route_matches_numpy_and_hf(case):
     w = (RNG.standard_normal((e, d)) / np.sqrt(d)).astype(np.float32)
     bias = (0.1 * RNG.standard_normal(e)).astype(np.float32)
     moe = MoEParams(router=w, router_bias=bias, experts=None, shared=None)
-    ids, ws = (np.asarray(a) for a in route(moe, cfg, jnp.asarray(x)))
+    ids, ws = (np.asarray(a) for a in ROUTE_JIT(moe, cfg, jnp.asarray(x)))
     assert ids.dtype == np.int32 and ids.shape == (64, k) and ws.shape == (64, k)
     ids_s, ws_s = _sorted_by_id(ids, ws)
     ref_ids, ref_ws = _sorted_by_id(*route_np(w, bias, x, g, tg, k, norm, scale))
@@ -166,7 +170,7 @@ def test_route_matches_numpy_and_hf(case):
 
     # The bias must matter in these cases (else the test could not catch it being ignored).
     moe0 = dataclasses.replace(moe, router_bias=np.zeros_like(bias))
-    ids0 = _sorted_by_id(np.asarray(route(moe0, cfg, jnp.asarray(x))[0]), ws)[0]
+    ids0 = _sorted_by_id(np.asarray(ROUTE_JIT(moe0, cfg, jnp.asarray(x))[0]), ws)[0]
     assert (ids0 != ids_s).any()
 
 
@@ -190,7 +194,7 @@ def test_experts_ref_matches_loop():
             hid = ex.gate[n] @ x[a]
             hid = hid / (1 + np.exp(-hid)) * (ex.up[n] @ x[a])
             ref[a] += ws[a, j] * (ex.down[n] @ hid)
-    out = experts_ref(jnp.asarray(x), jnp.asarray(ids), jnp.asarray(ws), ex)
+    out = jax.jit(experts_ref)(jnp.asarray(x), jnp.asarray(ids), jnp.asarray(ws), ex)
     np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-4, atol=1e-5)
 
 
@@ -208,7 +212,7 @@ def test_moe_block_matches_hf_module(ds_model):
     x = RNG.standard_normal((1, 13, cfg.hidden_size)).astype(np.float32)
     with torch.no_grad():
         ref = model.model.layers[layer].mlp(torch.as_tensor(x)).numpy()[0]
-    out = np.asarray(moe_block(params.layers[layer].ffn, cfg, jnp.asarray(x[0])))
+    out = np.asarray(MOE_JIT(params.layers[layer].ffn, cfg, jnp.asarray(x[0])))
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
 
 
@@ -238,13 +242,53 @@ def test_mla_with_cache_matches_hf_attention(ds_model, x_scale):
             xt[:, 6:], position_embeddings=dec, attention_mask=torch.zeros(1, 1, 1, 7), past_key_values=cache
         )[0].numpy()
     lat, rop = jnp.zeros((1, 8, cfg.kv_lora_rank)), jnp.zeros((1, 8, cfg.qk_rope_head_dim))
-    out_a, lat, rop = mla_attention(params.layers[0].attn, cfg, jnp.asarray(x[:, :6]), lat, rop, 0)
-    out_b, lat, rop = mla_attention(params.layers[0].attn, cfg, jnp.asarray(x[:, 6:]), lat, rop, 6)
+    out_a, lat, rop = MLA_JIT(params.layers[0].attn, cfg, jnp.asarray(x[:, :6]), lat, rop, 0)
+    out_b, lat, rop = MLA_JIT(params.layers[0].attn, cfg, jnp.asarray(x[:, 6:]), lat, rop, 6)
     for ours, ref in ((out_a, ref_a), (out_b, ref_b)):
         np.testing.assert_allclose(np.asarray(ours), ref, rtol=0, atol=2e-5 * np.abs(ref).max())
     hf_lat, hf_rop = cache.layers[0].keys.numpy()[:, 0], cache.layers[0].values.numpy()[:, 0]  # [1, 7, .]
     np.testing.assert_allclose(np.asarray(lat)[:, :7], hf_lat, rtol=0, atol=1e-5 * np.abs(hf_lat).max())
     np.testing.assert_allclose(np.asarray(rop)[:, :7], hf_rop, rtol=0, atol=1e-5 * np.abs(hf_rop).max())
+
+
+def test_mla_real_deepseek_dims_fp8_matches_hf():
+    """DeepSeek-V3's real MLA dims and YaRN (D 7168, q LoRA 1536, kv LoRA 512, nope 128, rope
+    64, v 128) with 8 of its 128 heads, FP8 block weights (kv_a [576, 7168]: 4.5 row blocks):
+    ours on Fp8Tensor leaves vs HF's module holding the dequantized weights."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+        DeepseekV3Attention,
+        DeepseekV3RotaryEmbedding,
+    )
+
+    cfg = dataclasses.replace(
+        named_model_config("deepseek_v3"), num_attention_heads=8, num_key_value_heads=8, quant=None
+    )
+    hc = hf_config(cfg)
+    attn = DeepseekV3Attention(hc, layer_idx=0).eval()
+    g = torch.Generator().manual_seed(11)
+    w = {}
+    with torch.no_grad():
+        for name, t in attn.named_parameters():
+            if t.ndim == 1:
+                t.copy_(1.0 + 0.2 * torch.randn(t.shape, generator=g))
+                w[name] = t.numpy().copy()
+            else:
+                q = quantize_np((torch.randn(t.shape, generator=g) / t.shape[-1] ** 0.5).numpy())
+                t.copy_(torch.as_tensor(dequantize_np(q)))
+                w[name] = q
+    p = MLAParams(kv_a=w["kv_a_proj_with_mqa.weight"], kv_a_norm=w["kv_a_layernorm.weight"], kv_b=w["kv_b_proj.weight"],
+                  o=w["o_proj.weight"], q_a=w["q_a_proj.weight"], q_a_norm=w["q_a_layernorm.weight"],
+                  q_b=w["q_b_proj.weight"])  # fmt: skip
+    t = 12
+    x = RNG.standard_normal((1, t, cfg.hidden_size)).astype(np.float32)
+    xt = torch.as_tensor(x)
+    with torch.no_grad():
+        pe = DeepseekV3RotaryEmbedding(hc)(xt, torch.arange(t)[None])
+        causal = torch.triu(torch.full((t, t), float("-inf")), 1)[None, None]
+        ref = attn(xt, position_embeddings=pe, attention_mask=causal)[0].numpy()
+    lat, rop = jnp.zeros((1, 16, cfg.kv_lora_rank)), jnp.zeros((1, 16, cfg.qk_rope_head_dim))
+    out = np.asarray(MLA_JIT(p, cfg, jnp.asarray(x), lat, rop, 0)[0])
+    np.testing.assert_allclose(out, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
 
 
 def test_fp8_linear_dequantizes_blocks():

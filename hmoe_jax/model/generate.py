@@ -54,7 +54,9 @@ def sample(logits: jax.Array, key: jax.Array, temperature: float, top_p: float) 
     return jax.random.categorical(key, logits).astype(jnp.int32)
 
 
-def _check_prompt(cfg: ModelConfig, prompt_ids: Sequence[int], max_new_tokens: int) -> np.ndarray:
+def check_prompt(cfg: ModelConfig, prompt_ids: Sequence[int], max_new_tokens: int) -> np.ndarray:
+    """Validated prompt ids [T] int32: non-empty, in [0, vocab), and T + max_new_tokens within
+    max_position_embeddings; else a one-line ValueError naming the value."""
     ids = np.asarray(list(prompt_ids), np.int64)
     if ids.ndim != 1 or ids.size == 0:
         raise ValueError(f"generate: prompt_ids must be a non-empty 1-D list of ids, got shape {ids.shape}")
@@ -72,6 +74,9 @@ def _check_prompt(cfg: ModelConfig, prompt_ids: Sequence[int], max_new_tokens: i
     return ids.astype(np.int32)
 
 
+_check_prompt = check_prompt  # the name hmoe_jax.runtime.engine imports
+
+
 def generate(
     params: ModelParams,
     cfg: ModelConfig,
@@ -86,12 +91,13 @@ def generate(
 ) -> GenerateResult:
     """Batch-1 generation. stop_ids defaults to cfg.eos_ids; generation stops after a stop
     id is produced (it is returned) or after max_new_tokens."""
-    ids = _check_prompt(cfg, prompt_ids, max_new_tokens)
+    ids = check_prompt(cfg, prompt_ids, max_new_tokens)
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"generate: need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
     stops = set(cfg.eos_ids if stop_ids is None else stop_ids)
     max_len = -(-(ids.size + max_new_tokens) // CACHE_BUCKET) * CACHE_BUCKET
-    params = jax.device_put(params)  # once: later calls reuse device buffers
+    # Once, and finished before the clock starts: later calls reuse the device buffers.
+    params = jax.block_until_ready(jax.device_put(params))
     cache = init_cache(cfg, 1, max_len)
     key = jax.random.key(seed)
     temperature, top_p = float(temperature), float(top_p)
@@ -120,7 +126,7 @@ def teacher_forced_logits(
 ) -> np.ndarray:
     """Logits [T, V] f32 of every position of `ids` (one prefill, no sampling). The cache is
     bucketed like generate's, so both share compiled prefills."""
-    arr = _check_prompt(cfg, ids, 1)[None, :]  # [1, T]
+    arr = check_prompt(cfg, ids, 1)[None, :]  # [1, T]
     max_len = -(-arr.shape[1] // CACHE_BUCKET) * CACHE_BUCKET
     logits, _ = forward(params, cfg, arr, init_cache(cfg, 1, max_len), 0, expert_fn)
     return np.asarray(logits)[0]
