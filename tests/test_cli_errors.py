@@ -154,3 +154,29 @@ def test_convert_fp8_then_generate(ckpt, tmp_path, capsys):
     assert main(argv) == 0
     logits = np.load(tmp_path / "l.npy")
     assert logits.shape == (4, 512) and np.isfinite(logits).all()
+
+
+def test_sampling_flags(ckpt, capsys):
+    """--temperature/--top-p/--seed: a seed fixes the sample, another seed changes it;
+    one new token gives tpot_s null (there is no later token to time)."""
+
+    def tokens(*extra):
+        argv = [
+            "generate",
+            "--checkpoint",
+            str(ckpt),
+            "--tokens",
+            "3,4,5",
+            "--ignore-eos",
+            "--json",
+            "--quiet",
+        ]
+        assert main([*argv, "--no-warmup", *extra]) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    sample = ["--max-new-tokens", "12", "--temperature", "1.0", "--top-p", "0.9"]
+    a, b, c = tokens(*sample, "--seed", "1"), tokens(*sample, "--seed", "1"), tokens(*sample, "--seed", "2")
+    assert a["tokens"] == b["tokens"] != c["tokens"]
+    assert a["temperature"] == 1.0 and a["top_p"] == 0.9 and a["seed"] == 1
+    one = tokens("--max-new-tokens", "1")
+    assert len(one["tokens"]) == 1 and one["tpot_s"] is None and one["decode_s"] == []
