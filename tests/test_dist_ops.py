@@ -13,6 +13,7 @@ missing chunk, expert or weight changes outputs at the 1e-2 level).
 from __future__ import annotations
 
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,7 @@ from hmoe_jax.runtime.dist import (
     ZigzagLayout,
     cp_attention_comm,
     ep_comm,
+    ep_comm_buffers,
     ep_comm_expected,
     make_mesh,
     smallep_beats_ep,
@@ -227,3 +229,74 @@ def test_smallep_beats_ep_rule_matches_volumes():
         sm = smallep_comm(n, 48 * n, 64).total_bytes
         ep = ep_comm_expected(n, 48 * n, 64, k).total_bytes
         assert (sm <= ep) == smallep_beats_ep(n, k), (n, k, sm, ep)
+
+
+# --- accounting vs the collectives in the compiled program ----------------------------------
+
+_COLLECTIVE = re.compile(r'"stablehlo\.(all_gather|reduce_scatter|all_to_all)"')
+_SIG = re.compile(r":\s*\((tensor<[^>]*>)\)\s*->\s*(tensor<[^>]*>)")
+
+
+def _tensor_bytes(t: str) -> int:
+    *dims, dt = t[len("tensor<") : -1].split("x")
+    return int(np.prod([int(d) for d in dims])) * {"f32": 4, "i32": 4}[dt]
+
+
+def collective_bytes(lowered_text: str, n: int) -> dict[str, int]:
+    """Bytes that must cross links for each collective kind in a lowered shard_map program,
+    summed over the N ranks, from the per-rank operand/result types: an all-gather brings
+    each rank the N-1 shards it lacks, a reduce-scatter sends each rank's partials of the
+    other N-1 shards, an all-to-all sends (N-1)/N of each rank's buffer."""
+    out = {"all_gather": 0, "reduce_scatter": 0, "all_to_all": 0}
+    for m in _COLLECTIVE.finditer(lowered_text):
+        operand, result = (_tensor_bytes(t) for t in _SIG.search(lowered_text, m.end()).groups())
+        kind = m.group(1)
+        if kind == "all_gather":
+            out[kind] += n * (result - operand)
+        elif kind == "reduce_scatter":
+            out[kind] += n * (operand - result)
+        else:
+            out[kind] += (n - 1) * operand
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_accounting_matches_compiled_collectives(n):
+    cfg = tiny_config()
+    moe = random_params(cfg).layers[-1].ffn
+    t = 24
+    x = jax.ShapeDtypeStruct((t, cfg.hidden_size), jnp.float32)
+    mesh = make_mesh(n)
+
+    def lowered(body, outs):
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(_moe_specs(moe), P(AXIS)), out_specs=outs))
+        return f.lower(moe, x).as_text()
+
+    sm = collective_bytes(
+        lowered(lambda m, xs: smallep_moe(m, cfg, xs, axis=AXIS, n_ranks=n), (P(AXIS),) * 2), n
+    )
+    want = smallep_comm(n, t, cfg.hidden_size)
+    assert (sm["all_gather"], sm["reduce_scatter"], sm["all_to_all"]) == (
+        want.all_gather_bytes,
+        want.reduce_scatter_bytes,
+        0,
+    )
+    ep = collective_bytes(
+        lowered(lambda m, xs: ep_moe(m, cfg, xs, axis=AXIS, n_ranks=n), (P(AXIS), P(AXIS), P())), n
+    )
+    want = ep_comm_buffers(n, t, cfg.hidden_size, cfg.num_experts_per_tok)
+    assert ep == {"all_gather": 0, "reduce_scatter": 0, "all_to_all": want.all_to_all_bytes}
+
+    lay = ZigzagLayout.for_sequence(t, n)
+    h = jax.ShapeDtypeStruct((1, lay.padded_len, cfg.hidden_size), jnp.float32)
+    f = jax.jit(
+        jax.shard_map(
+            lambda lp, hs: cp_attention_block(lp, cfg, hs, lay, axis=AXIS),
+            mesh=mesh,
+            in_specs=(P(), P(None, AXIS)),
+            out_specs=(P(None, AXIS), P(), P()),
+        )
+    )
+    cp = collective_bytes(f.lower(random_params(cfg).layers[0], h).as_text(), n)
+    assert cp["all_gather"] == cp_attention_comm(n, lay.padded_len, cfg.cache_dim).all_gather_bytes
+    assert cp["reduce_scatter"] == cp["all_to_all"] == 0

@@ -147,6 +147,18 @@ def ep_comm_expected(n_ranks: int, tokens: int, hidden: int, top_k: int, act_byt
     return CommVolume("ep", n_ranks, tokens, all_to_all_bytes=moved)
 
 
+def ep_comm_buffers(
+    n_ranks: int, tokens: int, hidden: int, top_k: int, capacity: int | None = None, act_bytes: int = 4
+) -> CommVolume:
+    """Standard EP as ep_moe runs it: fixed [N, capacity] buffers (capacity None = T_l k,
+    the no-drop default) go out (hidden states + int32 expert ids) and back (results)
+    whatever the routing, so this is what crosses the links, padding included."""
+    cap = (tokens // n_ranks) * top_k if capacity is None else capacity
+    off_rank = (n_ranks - 1) * cap * n_ranks  # rows each all_to_all sends to other ranks, all ranks
+    moved = off_rank * (2 * hidden * act_bytes + 4)
+    return CommVolume("ep", n_ranks, tokens, all_to_all_bytes=moved)
+
+
 def cp_attention_comm(n_ranks: int, tokens: int, cache_dim: int, act_bytes: int = 4) -> CommVolume:
     """Context-parallel MLA: only the latent cache (cache_dim values per token) is
     all-gathered; queries and outputs stay on their owners."""
