@@ -93,22 +93,22 @@ def _rss_anon_bytes() -> int:
     raise RuntimeError("RssAnon not in /proc/self/status")
 
 
-def test_no_second_host_copy_during_slp():
-    """Experts of 4 MoE layers, ~200 MB of FP8, in one aligned host copy; an SLP prefill
-    (ring of 2 slots) may not grow anonymous memory by anything near a layer's weights."""
-    base = dataclasses.replace(
+def big_model(num_hidden_layers: int):
+    """64 experts of 3 x 512 x 512 FP8 per MoE layer (~50 MB), written straight into aligned
+    host arrays (random e4m3 bytes, fixed scales): the one host copy."""
+    cfg = dataclasses.replace(
         named_model_config("deepseek_v3_tiny"),
         n_routed_experts=64,
         n_group=4,
         topk_group=2,
         moe_intermediate_size=512,
         hidden_size=512,
-        num_hidden_layers=5,
+        num_hidden_layers=num_hidden_layers,
         first_k_dense_replace=1,
     )
-    params = random_params(dataclasses.replace(base, n_routed_experts=4, n_group=1, topk_group=1), seed=1)
+    params = random_params(dataclasses.replace(cfg, n_routed_experts=4, n_group=1, topk_group=1), seed=1)
     rng = np.random.default_rng(2)
-    e, i, d = base.n_routed_experts, base.moe_intermediate_size, base.hidden_size
+    e, i, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
 
     def fp8(shape):
         w = aligned_empty(shape, FP8_DTYPE)
@@ -132,17 +132,33 @@ def test_no_second_host_copy_during_slp():
     weight_bytes = sum(
         a.nbytes for lp in layers if isinstance(lp.ffn, MoEParams) for a in expert_leaves(lp.ffn.experts)
     )
-    assert weight_bytes > 150e6
-    eng = Engine(params, base, system=dataclasses.replace(SYS, slp_experts_per_slot=8), expert_fn="ref")
-    assert eng.weights.host_copied_bytes < 0.05 * weight_bytes  # the aligned experts were taken as they are
+    return cfg, params, weight_bytes
+
+
+def test_no_second_host_copy_during_slp():
+    """Experts of 4 MoE layers, ~200 MB of FP8, in one aligned host copy; an SLP prefill
+    (ring of 2 slots of 2 experts) may not grow anonymous memory by anything near their size.
+
+    A 2-layer twin with the same shapes runs first, so XLA's compilations (shape-keyed,
+    ~130 MB here) and the worker threads' malloc arenas are not counted."""
+    sys = dataclasses.replace(SYS, slp_experts_per_slot=2)
     ids = np.arange(2, 34)
+    twin_cfg, twin_params, _ = big_model(2)
+    twin = Engine(twin_params, twin_cfg, system=sys, expert_fn="ref")
+    for _ in range(2):
+        twin.prefill(ids, twin.new_cache(64), "slp", ring_slots=2)
+    twin.close()
+    cfg, params, weight_bytes = big_model(5)
+    assert weight_bytes > 150e6
+    eng = Engine(params, cfg, system=sys, expert_fn="ref")
+    assert eng.weights.host_copied_bytes < 0.05 * weight_bytes  # the aligned experts were taken as they are
     peak, stop = [0], threading.Event()
     r0 = _rss_anon_bytes()
 
     def sample():
         while not stop.is_set():
             peak[0] = max(peak[0], _rss_anon_bytes() - r0)
-            stop.wait(0.002)
+            stop.wait(0.001)
 
     t = threading.Thread(target=sample)
     t.start()
@@ -153,8 +169,10 @@ def test_no_second_host_copy_during_slp():
         t.join()
     peak[0] = max(peak[0], _rss_anon_bytes() - r0)
     assert sum(run.streamed_bytes.values()) == weight_bytes
-    # includes compiling the pieces (cold run); a second copy of the experts would add >= 200 MB
-    assert peak[0] < 0.5 * weight_bytes, (
+    # expected: the ring (2 slots x 2 experts, ~3 MB) + one group's f32 dequantization inside
+    # the grouped GEMM (~6 MB, transient); a second copy of one layer's experts adds 50 MB
+    print(f"SLP RssAnon peak delta {peak[0] / 1e6:.1f} MB for {weight_bytes / 1e6:.0f} MB of experts")
+    assert peak[0] < 0.25 * weight_bytes, (
         f"RssAnon grew by {peak[0] / 1e6:.0f} MB during SLP ({weight_bytes / 1e6:.0f} MB of experts)"
     )
     eng.close()

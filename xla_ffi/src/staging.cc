@@ -64,7 +64,10 @@ StagingRing::StagingRing(int n_slots, size_t slot_bytes, int n_threads, double r
   size_t total = slot_bytes_ * static_cast<size_t>(n_slots);
   arena_ = static_cast<uint8_t*>(std::aligned_alloc(kAlign, std::max(total, kAlign)));
   if (arena_) {
-    std::memset(arena_, 0, total);  // touch every page now, not during the first fill
+    // Touch every page now, not during the first fill (a plain memset(0) after the
+    // allocation may be folded into calloc semantics and touch nothing).
+    volatile uint8_t* v = arena_;
+    for (size_t off = 0; off < total; off += 4096) v[off] = 1;
     pinned_ = try_pin(arena_, total);
   }
   link_ = std::thread([this] { link_loop(); });
