@@ -185,13 +185,17 @@ class _Loader:
     def __init__(self, cfg: ModelConfig, cat: Catalog, specs: list[TensorSpec], upcast_f32: bool, bar: tqdm):
         self.cfg, self.cat, self.upcast_f32, self.bar = cfg, cat, upcast_f32, bar
         self.specs = {s.name: s for s in specs}
-        self.mapped_bytes = 0
+        self.layer = ""
         self.stacked_bytes = 0
         self.upcast_bytes = 0
 
     def get(self, name: str) -> Any:
         s = self.specs[name]
         v = self.cat.view(name)
+        layer = name.split(".")[2] if name.startswith("model.layers.") else ""
+        if layer != self.layer:  # progress per tensor, labelled per layer
+            self.layer = layer
+            self.bar.set_description(f"loading layer {layer}" if layer else "loading")
         self.bar.update(1)
         if v.dtype == DTYPES[FP8_TAG]:
             q = self.cfg.quant
