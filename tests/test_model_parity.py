@@ -57,6 +57,7 @@ CASES = {
         q_lora_rank=96,
         kv_lora_rank=80,
         rope=dataclasses.replace(YARN, mscale=1.0, mscale_all_dim=0.5),
+        max_position_embeddings=640,
     ),  # fmt: skip
     # YaRN without the softmax correction (mscale_all_dim 0: attention factor from factor).
     "ds_yarn_no_mscale_all_dim": tiny_config(
@@ -64,6 +65,7 @@ CASES = {
         num_hidden_layers=2,
         first_k_dense_replace=1,
         rope=dataclasses.replace(YARN, mscale_all_dim=0.0, beta_fast=8.0, beta_slow=2.0),
+        max_position_embeddings=640,
     ),  # fmt: skip
 }
 
