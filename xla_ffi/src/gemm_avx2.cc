@@ -19,6 +19,14 @@
 namespace hmoe {
 namespace {
 
+// bf16 bits -> f32, inline (a call into the portable TU per group costs ~40% at M = 1).
+inline float scale_bf16(uint16_t bits) {
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float v;
+  std::memcpy(&v, &u, 4);
+  return v;
+}
+
 // 16 codes -> 16 f16 (as 16-bit lanes) = value * 2^-8.
 inline __m256i fp8_to_f16(__m128i codes) {
   __m256i h = _mm256_slli_epi16(_mm256_cvtepi8_epi16(codes), 7);
@@ -140,7 +148,7 @@ void int4_tile(const uint16_t* xp, int64_t ks, const Int4Matrix& w, int64_t r0, 
       }
     }
     for (int r = 0; r < R; ++r) {
-      const __m256 s = _mm256_set1_ps(bf16_to_f32(srow[r][g]));
+      const __m256 s = _mm256_set1_ps(scale_bf16(srow[r][g]));
       for (int i = 0; i < MB; ++i) tot[r][i] = _mm256_fmadd_ps(acc[r][i], s, tot[r][i]);
     }
   }

@@ -25,6 +25,14 @@
 namespace hmoe {
 namespace {
 
+// bf16 bits -> f32, inline (a call into the portable TU per group costs ~40% at M = 1).
+inline float scale_bf16(uint16_t bits) {
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float v;
+  std::memcpy(&v, &u, 4);
+  return v;
+}
+
 struct Fp8Tables {
   __m512i hi0, hi1, lo0, lo1;  // bf16 high/low bytes of |code|, codes 0-63 and 64-127
 };
@@ -193,7 +201,7 @@ void int4_tile(const uint16_t* xp, int64_t ks, const Int4Matrix& w, int64_t r0, 
       }
     }
     for (int r = 0; r < R; ++r) {
-      const __m512 s = _mm512_set1_ps(bf16_to_f32(srow[r][g]));
+      const __m512 s = _mm512_set1_ps(scale_bf16(srow[r][g]));
       for (int i = 0; i < MB; ++i) tot[r][i] = _mm512_fmadd_ps(acc[r][i], s, tot[r][i]);
     }
   }

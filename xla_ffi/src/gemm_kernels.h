@@ -99,7 +99,9 @@ void int4_gemm_rows_avx2(const uint16_t* xp, int64_t m, const Int4Matrix& w, int
                          int64_t n1, float* y, int64_t ldy);
 void int4_gemm_rows_avx512(const uint16_t* xp, int64_t m, const Int4Matrix& w, int64_t n0,
                            int64_t n1, float* y, int64_t ldy);
-// Sum of a byte buffer's 64-bit words read with the widest loads (bandwidth probe).
+// Sum (mod 2^64) of a byte buffer's little-endian 64-bit words, plus its last < 8 bytes
+// one by one, read with the widest loads (bandwidth probe). Call with 8-byte aligned
+// chunk starts so that chunked sums add up to the whole buffer's.
 uint64_t read_sum_portable(const uint8_t* p, int64_t nbytes);
 uint64_t read_sum_avx512(const uint8_t* p, int64_t nbytes);
 

@@ -1,0 +1,236 @@
+"""FP8 / INT4 GEMM FFI kernels against their `_ref` twins, on every ISA path this CPU has
+(the lower paths are forced with max_isa, so the AVX2 and portable code runs here too).
+
+Tolerance: the kernels and the refs round x to bf16 identically and every decoded weight
+and every product x_bf16 * w is exact in f32, so they differ only in the order of the f32
+sums. The standard bound for a sum of n terms is |error| <= gamma_n * sum |terms| with
+gamma_n ~ n * 2^-24; we check |y - ref| <= 2 * K * 2^-24 * (|x_bf16| @ |W|^T) (+ the two
+f32 roundings of the scale products, covered by the factor 2).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from hmoe_jax.kernels import ffi
+
+try:
+    ffi.extension()
+except ffi.FfiUnavailable:  # pragma: no cover - the CI builds the extension
+    pytest.skip("the _hmoe_ffi extension is not built", allow_module_level=True)
+
+from hmoe_jax.kernels import gemm  # noqa: E402
+from hmoe_jax.quant.fp8 import FP8_DTYPE, Fp8Tensor, dequantize_np, quantize_np  # noqa: E402
+from hmoe_jax.quant.int4 import dequantize_int4_np, quantize_int4_np  # noqa: E402
+
+FEATURES = ffi.cpu_features()
+ISAS = [gemm.ISA_PORTABLE]
+if FEATURES["avx2"]:
+    ISAS.append(gemm.ISA_AVX2)
+if FEATURES["avx512"]:
+    ISAS.append(gemm.ISA_AVX512)
+ISA_IDS = {gemm.ISA_PORTABLE: "portable", gemm.ISA_AVX2: "avx2", gemm.ISA_AVX512: "avx512"}
+M_VALUES = [1, 2, 3, 8, 64, 130]
+
+
+def _bound(x: np.ndarray, wf: np.ndarray) -> np.ndarray:
+    xb = np.abs(x.astype(ml_dtypes.bfloat16).astype(np.float32))
+    k = wf.shape[1]
+    return 2.0 * k * 2.0**-24 * (xb @ np.abs(wf).T) + 1e-30
+
+
+def _fp8_weight(rng: np.random.Generator, n: int, k: int) -> Fp8Tensor:
+    # per-block magnitudes that differ by orders, so a scale applied to the wrong block fails
+    block_mag = np.exp(rng.uniform(-4, 4, size=(-(-n // 128), -(-k // 128))))
+    wf = rng.standard_normal((n, k)) * np.repeat(np.repeat(block_mag, 128, 0), 128, 1)[:n, :k]
+    return quantize_np(wf.astype(np.float32))
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: ISA_IDS[i])
+def test_fp8_decode_all_codes_vs_ml_dtypes(isa):
+    """Every e4m3fn code through the kernel's in-register decode (M = 1 and the M > 4 path),
+    compared bit-exactly with ml_dtypes. NaN codes (0x7F, 0xFF) must give NaN outputs."""
+    codes = np.array([c for c in range(256) if c & 0x7F != 0x7F], np.uint8)  # 254 finite
+    n, k = codes.size, 128
+    expect = codes.view(FP8_DTYPE).astype(np.float32)
+    # M = 1: row i holds its code at column (7 i) % k, zeros elsewhere; x = ones
+    w = np.zeros((n, k), np.uint8)
+    w[np.arange(n), (7 * np.arange(n)) % k] = codes
+    scale = np.full((2, 1), 2.0, np.float32)  # a power of two keeps the product exact
+    t = Fp8Tensor(w=jnp.asarray(w.view(FP8_DTYPE)), scale_inv=jnp.asarray(scale))
+    y = np.asarray(gemm.fp8_matmul(jnp.ones((1, k), jnp.float32), t, max_isa=isa))[0]
+    np.testing.assert_array_equal(y, 2.0 * expect)
+    # M = k: x = identity, W[i, j] = every finite code at every column position
+    w2 = codes[(np.arange(n)[:, None] + 3 * np.arange(k)[None, :]) % n]
+    t2 = Fp8Tensor(w=jnp.asarray(w2.view(FP8_DTYPE)), scale_inv=jnp.asarray(scale))
+    y2 = np.asarray(gemm.fp8_matmul(jnp.eye(k, dtype=jnp.float32), t2, max_isa=isa))
+    np.testing.assert_array_equal(y2, 2.0 * w2.view(FP8_DTYPE).astype(np.float32).T)
+    # NaN codes: a NaN weight makes its output NaN (NaN * 0 is NaN, as in dequantize-then-dot)
+    w3 = np.zeros((4, k), np.uint8)
+    w3[0, 5], w3[1, 100], w3[2, 5] = 0x7F, 0xFF, 0x38  # 0x38 = 1.0
+    t3 = Fp8Tensor(w=jnp.asarray(w3.view(FP8_DTYPE)), scale_inv=jnp.ones((1, 1), jnp.float32))
+    y3 = np.asarray(gemm.fp8_matmul(jnp.ones((1, k), jnp.float32), t3, max_isa=isa))[0]
+    assert np.isnan(y3[0]) and np.isnan(y3[1])
+    np.testing.assert_array_equal(y3[2:], [1.0, 0.0])
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: ISA_IDS[i])
+@pytest.mark.parametrize("m", M_VALUES)
+@pytest.mark.parametrize("n,k", [(300, 448), (257, 200)], ids=["partial-blocks", "odd-n-partial-chunk"])
+def test_fp8_matmul_matches_ref(isa, m, n, k):
+    rng = np.random.default_rng(1000 * m + n)
+    t = _fp8_weight(rng, n, k)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    y = np.asarray(gemm.fp8_matmul(jnp.asarray(x), t, max_isa=isa))
+    ref = np.asarray(gemm.fp8_matmul_ref(x, t))
+    assert y.shape == (m, n)
+    assert np.all(np.abs(y - ref) <= _bound(x, dequantize_np(t)))
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: ISA_IDS[i])
+def test_fp8_bf16_input_and_leading_dims(isa):
+    rng = np.random.default_rng(7)
+    t = _fp8_weight(rng, 136, 256)
+    x = jnp.asarray(rng.standard_normal((2, 3, 256)), jnp.bfloat16)
+    y = np.asarray(gemm.fp8_matmul(x, t, max_isa=isa))
+    ref = np.asarray(gemm.fp8_matmul_ref(x, t))
+    assert y.shape == (2, 3, 136)
+    xf = np.asarray(x.astype(jnp.float32)).reshape(6, 256)
+    assert np.all(np.abs(y.reshape(6, 136) - ref.reshape(6, 136)) <= _bound(xf, dequantize_np(t)))
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: ISA_IDS[i])
+@pytest.mark.parametrize("m", M_VALUES)
+@pytest.mark.parametrize("n,k,group", [(257, 384, 64), (130, 256, 128)], ids=["g64-odd-n", "g128"])
+def test_int4_matmul_matches_ref(isa, m, n, k, group):
+    rng = np.random.default_rng(2000 * m + n)
+    w = quantize_int4_np(rng.standard_normal((n, k)).astype(np.float32), group=group)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    y = np.asarray(gemm.int4_matmul(jnp.asarray(x), w, max_isa=isa))
+    ref = np.asarray(gemm.int4_matmul_ref(x, w))
+    assert y.shape == (m, n)
+    assert np.all(np.abs(y - ref) <= _bound(x, dequantize_int4_np(w)))
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: ISA_IDS[i])
+def test_int4_all_nibbles_every_position(isa):
+    """All 16 int4 values at every position of a 64-chunk (both nibble halves), exactly."""
+    from hmoe_jax.quant.int4 import Int4Tensor, pack_nibbles
+
+    k = 128
+    q = ((np.arange(16)[:, None] + np.arange(k)[None, :]) % 16) - 8  # [16, k] in [-8, 7]
+    t = Int4Tensor(q=jnp.asarray(pack_nibbles(q)), scale=jnp.ones((16, 2), jnp.bfloat16), group=64)
+    y = np.asarray(gemm.int4_matmul(jnp.eye(k, dtype=jnp.float32), t, max_isa=isa))
+    np.testing.assert_array_equal(y, q.T.astype(np.float32))
+
+
+def test_jit_vmap_and_zero_copy_weights():
+    rng = np.random.default_rng(3)
+    t = _fp8_weight(rng, 256, 256)
+    w_np = gemm.aligned_empty(t.w.shape, FP8_DTYPE)
+    w_np[...] = np.asarray(t.w)
+    w_dev = gemm.device_put_zero_copy(w_np)
+    assert w_dev.unsafe_buffer_pointer() == w_np.ctypes.data  # aliased, not copied
+    td = Fp8Tensor(w=w_dev, scale_inv=jnp.asarray(t.scale_inv))
+    x = jnp.asarray(rng.standard_normal((5, 2, 256)), jnp.float32)
+    f = jax.jit(lambda x, w: gemm.fp8_matmul(x, w))
+    y = np.asarray(jax.vmap(f, in_axes=(0, None))(x, td))
+    ref = np.asarray(gemm.fp8_matmul_ref(x, t))
+    assert y.shape == (5, 2, 256)
+    xf = np.asarray(x).reshape(10, 256)
+    assert np.all(np.abs(y.reshape(10, 256) - ref.reshape(10, 256)) <= _bound(xf, dequantize_np(t)))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_thread_counts_agree(threads):
+    rng = np.random.default_rng(4)
+    t = _fp8_weight(rng, 1000, 512)
+    x = jnp.asarray(rng.standard_normal((2, 512)), jnp.float32)
+    y1 = np.asarray(gemm.fp8_matmul(x, t, num_threads=1))
+    yt = np.asarray(gemm.fp8_matmul(x, t, num_threads=threads))
+    np.testing.assert_array_equal(y1, yt)  # same rows -> same code path, same order
+
+
+def test_read_bytes_sums_every_word():
+    rng = np.random.default_rng(5)
+    buf = gemm.aligned_empty((3 * (1 << 22) + 136,), np.uint8)  # several tasks + a tail
+    buf[:] = rng.integers(0, 256, buf.size, dtype=np.uint8)
+    words = buf[: buf.size // 8 * 8].view(np.uint64)
+    tail = buf[buf.size // 8 * 8 :].astype(np.uint64)
+    want = (int(words.sum(dtype=np.uint64)) + int(tail.sum())) % (1 << 64)
+    for isa in ISAS:
+        lo, hi = (int(v) for v in np.asarray(gemm.read_bytes(gemm.device_put_zero_copy(buf), max_isa=isa)))
+        assert lo | (hi << 32) == want
+
+
+# ---- errors name the operand ----
+
+
+def test_python_errors():
+    rng = np.random.default_rng(6)
+    t = _fp8_weight(rng, 128, 256)
+    with pytest.raises(TypeError, match="x dtype must be float32 or bfloat16, got int32"):
+        gemm.fp8_matmul(jnp.ones((1, 256), jnp.int32), t)
+    with pytest.raises(ValueError, match=r"x shape \(1, 255\) must end in K=256"):
+        gemm.fp8_matmul(jnp.ones((1, 255)), t)
+    bad = Fp8Tensor(w=t.w, scale_inv=jnp.ones((1, 3), jnp.float32))
+    with pytest.raises(ValueError, match=r"scale_inv shape \(1, 3\) .* expected \(1, 2\)"):
+        gemm.fp8_matmul(jnp.ones((1, 256)), bad)
+    with pytest.raises(TypeError, match="w.w dtype must be float8_e4m3fn, got float32"):
+        gemm.fp8_matmul(jnp.ones((1, 256)), Fp8Tensor(w=jnp.ones((128, 256)), scale_inv=t.scale_inv))
+    w4 = quantize_int4_np(rng.standard_normal((8, 128)).astype(np.float32))
+    with pytest.raises(ValueError, match=r"w.scale shape \(8, 1\) .* expected \(8, 2\)"):
+        gemm.int4_matmul(jnp.ones((1, 128)), type(w4)(q=w4.q, scale=w4.scale[:, :1], group=64))
+    with pytest.raises(TypeError, match="w.scale dtype must be bfloat16, got float32"):
+        gemm.int4_matmul(jnp.ones((1, 128)), type(w4)(q=w4.q, scale=np.ones((8, 2), np.float32), group=64))
+
+
+def _raw_call(target: str, out_shape, *args, **attrs):
+    ffi.register_all()
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(out_shape, jnp.float32))
+    return np.asarray(call(*args, **{k: np.int64(v) for k, v in attrs.items()}))
+
+
+def test_ffi_errors_name_the_operand():
+    """The C++ adapters validate too (callers that bypass the Python wrapper)."""
+    w = jnp.zeros((128, 256), FP8_DTYPE)
+    s = jnp.ones((1, 2), jnp.float32)
+    x = jnp.ones((1, 256), jnp.float32)
+    attrs = dict(max_isa=-1, num_threads=0, block_n=128, block_k=128)
+    with pytest.raises(Exception, match="hmoe_fp8_gemm: scale grid \\[1, 3\\] does not match w"):
+        _raw_call("hmoe_fp8_gemm", (1, 128), x, w, jnp.ones((1, 3), jnp.float32), **attrs)
+    with pytest.raises(Exception, match="hmoe_fp8_gemm: x dtype must be float32 or bfloat16, got float16"):
+        _raw_call("hmoe_fp8_gemm", (1, 128), x.astype(jnp.float16), w, s, **attrs)
+    with pytest.raises(Exception, match="hmoe_fp8_gemm: w dtype must be float8_e4m3fn"):
+        _raw_call("hmoe_fp8_gemm", (1, 128), x, jnp.zeros((128, 256), jnp.int8), s, **attrs)
+    with pytest.raises(Exception, match="hmoe_fp8_gemm: x shape \\[1, 128\\] must end in K=256"):
+        _raw_call("hmoe_fp8_gemm", (1, 128), jnp.ones((1, 128)), w, s, **attrs)
+    with pytest.raises(Exception, match="block_k must be a positive multiple of 64"):
+        _raw_call("hmoe_fp8_gemm", (1, 128), x, w, jnp.ones((1, 8), jnp.float32), **{**attrs, "block_k": 32})
+    q = jnp.zeros((8, 64), jnp.uint8)
+    with pytest.raises(Exception, match="hmoe_int4_gemm: scale shape \\[8, 3\\] does not match q"):
+        _raw_call(
+            "hmoe_int4_gemm",
+            (1, 8),
+            jnp.ones((1, 128)),
+            q,
+            jnp.ones((8, 3), jnp.bfloat16),
+            max_isa=-1,
+            num_threads=0,
+        )
+    with pytest.raises(
+        Exception, match="hmoe_int4_gemm: int4 weight: group must be a positive multiple of 64, got 32"
+    ):
+        _raw_call(
+            "hmoe_int4_gemm",
+            (1, 8),
+            jnp.ones((1, 128)),
+            q,
+            jnp.ones((8, 4), jnp.bfloat16),
+            max_isa=-1,
+            num_threads=0,
+        )
