@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import jax
 import ml_dtypes
@@ -275,3 +276,33 @@ def test_truncated_and_config_errors(ckpt):
     (ckpt / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match=r"config.json: unknown config key\(s\) \['n_experts_routed'\]"):
         load_checkpoint(ckpt, progress=False)
+
+
+def _anon_rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssAnon in /proc/self/status")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="RssAnon is Linux-only")
+def test_loading_reads_no_anonymous_copy(tmp_path):
+    """A checkpoint dominated by non-expert bytes (embed + lm_head 2 x 64 MB f32): loading
+    and then reading every leaf adds anonymous memory only for the expert stacks."""
+    cfg = dataclasses.replace(CFG, vocab_size=65536, num_hidden_layers=3)
+    params = _f32_params(cfg)
+    save_checkpoint(tmp_path, cfg, params)
+    del params
+    before = _anon_rss_bytes()
+    _, loaded = load_checkpoint(tmp_path, progress=False)
+    checksum = sum(float(np.asarray(x, np.float32).sum()) for x in (loaded.embed, loaded.lm_head))
+    grown = _anon_rss_bytes() - before
+    experts = sum(w.nbytes for w in _expert_leaves(loaded))
+    big = loaded.embed.nbytes + loaded.lm_head.nbytes
+    assert np.isfinite(checksum) and big == 2 * 65536 * 256 * 4
+    # The astype(float32) temporaries above are freed; a loader that copied the file would
+    # grow by >= 128 MB here.
+    assert grown < experts + 32 * 2**20, (
+        f"anonymous memory grew {grown / 2**20:.0f} MB (experts {experts / 2**20:.0f} MB)"
+    )
