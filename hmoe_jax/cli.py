@@ -3,6 +3,7 @@
 Interfaces are stable (other tools call them):
   hmoe generate [--checkpoint DIR] (--prompt TEXT | --tokens 1,2,3) [--max-new-tokens N]
                 [--temperature T] [--top-p P] [--seed S] [--ignore-eos] [--max-context N] [--json]
+                [--schedule NAME --devices N --trace FILE --link-gbps X --system S]  (hybrid engine)
   hmoe logits   [--checkpoint DIR] --tokens 1,2,3 --out FILE.npy
   hmoe convert  --checkpoint IN --out OUT [--format fp8|bf16|f32] [--shard-bytes N]
 Without --checkpoint, the embedded default (deepseek_v3_tiny, synthetic FP8 weights,
