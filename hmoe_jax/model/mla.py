@@ -46,6 +46,49 @@ def causal_mask(start_pos: jax.Array, t: int, s_max: int) -> jax.Array:
     return jnp.arange(s_max)[None, :] <= q_pos
 
 
+def mla_qkv(
+    p: MLAParams, cfg: ModelConfig, x: jax.Array, start_pos: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The new tokens' part: x [B, T, D] (input-normed) at positions start_pos.. ->
+    (q_nope [B, T, H, dn], q_rope [B, T, H, dr] roped, latent [B, T, R], k_rope [B, T, dr] roped)."""
+    b, t, _ = x.shape
+    dn = cfg.qk_nope_head_dim
+    positions = jnp.broadcast_to(jnp.asarray(start_pos, jnp.int32) + jnp.arange(t, dtype=jnp.int32), (b, t))
+    cos, sin = rope_cos_sin(cfg, positions)  # [B, T, dr/2]
+    q = project_q(p, cfg, x)
+    latent, k_rope = project_kv(p, cfg, x)
+    return q[..., :dn], apply_rope(q[..., dn:], cos, sin), latent, apply_rope(k_rope, cos, sin)
+
+
+def mla_attend(
+    p: MLAParams,
+    cfg: ModelConfig,
+    q_nope: jax.Array,
+    q_rope: jax.Array,
+    cache_latent: jax.Array,
+    cache_rope: jax.Array,
+    start_pos: jax.Array,
+) -> jax.Array:
+    """Absorbed attention of the queries q_nope [B, T, H, dn], q_rope [B, T, H, dr] over a
+    cache that already holds them: cache_latent [B, S_max, R], cache_rope [B, S_max, dr]
+    -> [B, T, D]."""
+    b, t, h, dn = q_nope.shape
+    dv, r = cfg.v_head_dim, cfg.kv_lora_rank
+    lat = cache_latent.astype(jnp.float32)  # [B, S, R]
+    rop = cache_rope.astype(jnp.float32)  # [B, S, dr]
+    kv_b = dense_weight(p.kv_b).reshape(h, dn + dv, r)
+    w_uk, w_uv = kv_b[:, :dn, :], kv_b[:, dn:, :]  # [H, dn, R], [H, dv, R]
+    q_lat = jnp.einsum("bthd,hdr->bthr", q_nope, w_uk)  # [B, T, H, R]
+    scores = jnp.einsum("bthr,bsr->bhts", q_lat, lat) + jnp.einsum("bthd,bsd->bhts", q_rope, rop)
+    scores = scores * cfg.softmax_scale  # [B, H, T, S]
+    mask = causal_mask(jnp.asarray(start_pos, jnp.int32), t, lat.shape[1])
+    scores = jnp.where(mask[None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    o_lat = jnp.einsum("bhts,bsr->bthr", probs, lat)  # [B, T, H, R]
+    o = jnp.einsum("bthr,hdr->bthd", o_lat, w_uv).reshape(b, t, h * dv)
+    return linear(o, p.o)
+
+
 def mla_attention(
     p: MLAParams,
     cfg: ModelConfig,
@@ -55,36 +98,12 @@ def mla_attention(
     start_pos: jax.Array,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """x [B, T, D] (already input-normed) at positions start_pos.. ; cache_latent
-    [B, S_max, kv_lora_rank], cache_rope [B, S_max, dr] -> (out [B, T, D], new caches).
-    The new tokens' latent/k_rope are written at start_pos before attending."""
-    b, t, _ = x.shape
-    h, dn, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
-    r = cfg.kv_lora_rank
-    s_max = cache_latent.shape[1]
+    [B, S_max, kv_lora_rank], cache_rope [B, S_max, dr] of ONE layer -> (out [B, T, D],
+    new caches). The new tokens' latent/k_rope are written at start_pos before attending."""
     start_pos = jnp.asarray(start_pos, jnp.int32)
-
-    positions = jnp.broadcast_to(start_pos + jnp.arange(t, dtype=jnp.int32), (b, t))
-    cos, sin = rope_cos_sin(cfg, positions)  # [B, T, dr/2]
-    q = project_q(p, cfg, x)
-    q_nope, q_rope = q[..., :dn], apply_rope(q[..., dn:], cos, sin)  # [B, T, H, dn], [B, T, H, dr]
-    latent, k_rope = project_kv(p, cfg, x)
-    k_rope = apply_rope(k_rope, cos, sin)  # [B, T, dr]
-
+    q_nope, q_rope, latent, k_rope = mla_qkv(p, cfg, x, start_pos)
     cache_latent = jax.lax.dynamic_update_slice(
         cache_latent, latent.astype(cache_latent.dtype), (0, start_pos, 0)
     )
     cache_rope = jax.lax.dynamic_update_slice(cache_rope, k_rope.astype(cache_rope.dtype), (0, start_pos, 0))
-    lat = cache_latent.astype(jnp.float32)  # [B, S, R]
-    rop = cache_rope.astype(jnp.float32)  # [B, S, dr]
-
-    kv_b = dense_weight(p.kv_b).reshape(h, dn + dv, r)
-    w_uk, w_uv = kv_b[:, :dn, :], kv_b[:, dn:, :]  # [H, dn, R], [H, dv, R]
-    q_lat = jnp.einsum("bthd,hdr->bthr", q_nope, w_uk)  # [B, T, H, R]
-    scores = jnp.einsum("bthr,bsr->bhts", q_lat, lat) + jnp.einsum("bthd,bsd->bhts", q_rope, rop)
-    scores = scores * cfg.softmax_scale  # [B, H, T, S]
-    mask = causal_mask(start_pos, t, s_max)
-    scores = jnp.where(mask[None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
-    o_lat = jnp.einsum("bhts,bsr->bthr", probs, lat)  # [B, T, H, R]
-    o = jnp.einsum("bthr,hdr->bthd", o_lat, w_uv).reshape(b, t, h * dv)
-    return linear(o, p.o), cache_latent, cache_rope
+    return mla_attend(p, cfg, q_nope, q_rope, cache_latent, cache_rope, start_pos), cache_latent, cache_rope

@@ -18,7 +18,7 @@ from flax import struct
 
 from hmoe_jax.config import ModelConfig
 from hmoe_jax.model.layers import linear, rms_norm, swiglu
-from hmoe_jax.model.mla import mla_attention
+from hmoe_jax.model.mla import mla_attend, mla_attention, mla_qkv
 from hmoe_jax.model.moe import ExpertFn, experts_ref, moe_block
 from hmoe_jax.model.params import LayerParams, ModelParams, MoEParams
 
@@ -95,9 +95,17 @@ def _forward(
     h = embed(params, tokens)
     latent, k_rope = cache.latent, cache.k_rope
     for i, layer in enumerate(params.layers):
-        h, lat_i, rope_i = attention_block(layer, cfg, h, latent[i], k_rope[i], start_pos)
-        latent = latent.at[i].set(lat_i)
-        k_rope = k_rope.at[i].set(rope_i)
+        # attention_block's math, but the new entries go straight into the stacked cache:
+        # slicing layer i out and setting it back made XLA copy the whole cache per layer.
+        x = rms_norm(h, layer.attn_norm, cfg.rms_norm_eps)
+        q_nope, q_rope, lat_new, rope_new = mla_qkv(layer.attn, cfg, x, start_pos)
+        latent = jax.lax.dynamic_update_slice(
+            latent, lat_new[None].astype(latent.dtype), (i, 0, start_pos, 0)
+        )
+        k_rope = jax.lax.dynamic_update_slice(
+            k_rope, rope_new[None].astype(k_rope.dtype), (i, 0, start_pos, 0)
+        )
+        h = h + mla_attend(layer.attn, cfg, q_nope, q_rope, latent[i], k_rope[i], start_pos)
         h = ffn_block(layer, cfg, h, expert_fn)
     return final_logits(params, cfg, h), KVCache(latent=latent, k_rope=k_rope)
 
