@@ -22,7 +22,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from hmoe_jax.model.model import attention_block
-from hmoe_jax.model.moe import moe_block, route
+from hmoe_jax.model.moe import experts_ref, moe_block, route
 from hmoe_jax.model.params import MoEParams
 from hmoe_jax.runtime.dist import (
     AXIS,
@@ -36,7 +36,7 @@ from hmoe_jax.runtime.dist import (
     smallep_comm,
 )
 from hmoe_jax.runtime.dist_attention import cp_attention_block
-from hmoe_jax.runtime.dist_moe import ep_moe, smallep_moe
+from hmoe_jax.runtime.dist_moe import ep_moe, experts_grouped, smallep_moe
 from tests.test_dist_params import random_params, tiny_config
 
 REL_TOL = 1e-5
@@ -127,12 +127,12 @@ def _moe_specs(moe: MoEParams) -> MoEParams:
     )
 
 
-def _run_moe(scheme, moe, cfg, x, n, capacity=None):
+def _run_moe(scheme, moe, cfg, x, n, capacity=None, expert_fn=experts_ref):
     if scheme == "smallep":
-        body = lambda m, xs: smallep_moe(m, cfg, xs, axis=AXIS, n_ranks=n)
+        body = lambda m, xs: smallep_moe(m, cfg, xs, axis=AXIS, n_ranks=n, expert_fn=expert_fn)
         outs = (P(AXIS), P(AXIS))
     else:
-        body = lambda m, xs: ep_moe(m, cfg, xs, axis=AXIS, n_ranks=n, capacity=capacity)
+        body = lambda m, xs: ep_moe(m, cfg, xs, axis=AXIS, n_ranks=n, capacity=capacity, expert_fn=expert_fn)
         outs = (P(AXIS), P(AXIS), P())
     return jax.jit(
         jax.shard_map(body, mesh=make_mesh(n), in_specs=(_moe_specs(moe), P(AXIS)), out_specs=outs)
@@ -159,6 +159,29 @@ def test_moe_schemes_match_moe_block(scheme, name, fp8, n):
     assert (np.asarray(outs[1]) == np.asarray(ref_ids)).all(), "ids returned for accounting"
     if scheme == "ep":
         assert int(outs[2]) == 0
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_experts_grouped_matches_experts_ref(fp8):
+    """Including what SmallEP/EP hand it: zero-weight pairs whose id repeats a real one."""
+    cfg = tiny_config()
+    moe = jax.tree.map(jnp.asarray, random_params(cfg, seed=5, fp8=fp8).layers[-1].ffn)
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((20, cfg.hidden_size)), jnp.float32)
+    ids, w = route(moe, cfg, x)
+    ids = ids.at[::2, 1].set(ids[::2, 0])  # duplicate ids ...
+    w = w.at[::2, 1].set(0.0).at[5].set(0.0)  # ... with weight 0, and a token with no pair at all
+    ref = jax.jit(experts_ref)(x, ids, w, moe.experts)
+    assert_close(jax.jit(experts_grouped)(x, ids, w, moe.experts), ref, f"experts_grouped fp8={fp8}")
+    assert not np.asarray(ref)[5].any()
+
+
+@pytest.mark.parametrize("scheme", ["smallep", "ep"])
+def test_moe_schemes_with_grouped_experts(scheme):
+    cfg = tiny_config()
+    moe = jax.tree.map(jnp.asarray, random_params(cfg, seed=2, fp8=True).layers[-1].ffn)
+    x = np.random.default_rng(3).standard_normal((24, cfg.hidden_size)).astype(np.float32)
+    ref = jax.jit(moe_block, static_argnames="cfg")(moe, cfg, jnp.asarray(x))
+    assert_close(_run_moe(scheme, moe, cfg, x, 4, expert_fn=experts_grouped)[0], ref, f"{scheme} grouped")
 
 
 def test_ep_reports_dropped_pairs_when_capacity_is_short():

@@ -28,8 +28,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from hmoe_jax.model.moe import experts_ref
+from hmoe_jax.model.moe import ExpertFn, experts_ref
 from hmoe_jax.runtime.dist import AXIS, ZigzagLayout
+from hmoe_jax.runtime.dist_moe import experts_grouped
 from hmoe_jax.runtime.dist_prefill import (
     _embed_fn,
     _last_logits_fn,
@@ -53,7 +54,11 @@ class DslpState:
     streamer: RankStreamer
     scheme: str
     capacity: int | None
+    expert_fn: ExpertFn  # the accelerator's routed-expert function (grouped GEMMs by default)
     comm: list[dict] = dataclasses.field(default_factory=list)
+
+
+ACC_EXPERTS = {"grouped": experts_grouped, "ref": experts_ref}
 
 
 def _state(run: Run) -> DslpState:
@@ -80,7 +85,17 @@ def _embed(run: Run, op: Op) -> list:
     mesh = Mesh(np.array(accs[:n]), (AXIS,))
     b, t = run.tokens.shape
     layout = ZigzagLayout.for_sequence(t, n)
-    st = DslpState(mesh, layout, RankStreamer(mesh), str(op.args["scheme"]), op.args.get("ep_capacity"))
+    name = op.args.get("acc_experts", "grouped")
+    if name not in ACC_EXPERTS:
+        raise PlanError(f"op {op.id}: acc_experts={name!r}, expected one of {sorted(ACC_EXPERTS)}")
+    st = DslpState(
+        mesh,
+        layout,
+        RankStreamer(mesh),
+        str(op.args["scheme"]),
+        op.args.get("ep_capacity"),
+        ACC_EXPERTS[name],
+    )
     run.vals["dslp"] = st
     tok_zz = np.pad(run.tokens, ((0, 0), (0, layout.padded_len - t)))[:, layout.order].astype(np.int32)
     table = st.streamer.replicated(-1, run.weights.host.embed)
@@ -148,7 +163,7 @@ def _attn(run: Run, op: Op) -> list:
 def _ffn(run: Run, op: Op) -> list:
     st = _state(run)
     rest, _ = run.vals.pop(("dslp_layer", op.layer))
-    h = ffn_fn(st.mesh, run.cfg, False, st.scheme, experts_ref, None)(rest, None, run.vals["dslp_h"])
+    h = ffn_fn(st.mesh, run.cfg, False, st.scheme, st.expert_fn, None)(rest, None, run.vals["dslp_h"])
     run.vals["dslp_h"] = h
     return [h]
 
@@ -158,7 +173,7 @@ def _moe(run: Run, op: Op) -> list:
     st = _state(run)
     i = op.layer
     rest, experts = run.vals.pop(("dslp_layer", i))
-    f = ffn_fn(st.mesh, run.cfg, True, st.scheme, experts_ref, st.capacity)
+    f = ffn_fn(st.mesh, run.cfg, True, st.scheme, st.expert_fn, st.capacity)
     h, ids, dropped = f(rest, experts, run.vals["dslp_h"])
     check_dropped(dropped, i, st.capacity)
     n, b = st.layout.n_ranks, run.tokens.shape[0]

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from hmoe_jax.config import ModelConfig
-from hmoe_jax.model.layers import swiglu
+from hmoe_jax.model.layers import dense_weight, swiglu
 from hmoe_jax.model.moe import ExpertFn, experts_ref, route
 from hmoe_jax.model.params import MoEParams
 
@@ -107,3 +107,28 @@ def ep_moe(
     y_pairs = jnp.where(kept[:, None], back[jnp.minimum(slot, n_ranks * cap - 1)], 0.0)  # [P, D]
     routed = jnp.einsum("tk,tkd->td", w, y_pairs.reshape(t_l, k, d))
     return routed + _shared(moe, x_local), ids, dropped
+
+
+def experts_grouped(x: jax.Array, ids: jax.Array, weights: jax.Array, experts) -> jax.Array:
+    """ExpertFn with grouped GEMMs: the (token, expert) pairs sorted by expert and run through
+    jax.lax.ragged_dot, so each pair costs one expert's FLOPs (experts_ref: every expert on
+    every token). Pairs of weight 0 - other ranks' experts under SmallEP, empty EP buffer
+    slots - are sorted past the last group and never computed. Same sum as experts_ref,
+    another association. x [T, D], ids/weights [T, k] -> [T, D] f32."""
+    gate, up, down = dense_weight(experts.gate), dense_weight(experts.up), dense_weight(experts.down)
+    e = gate.shape[0]
+    t, k = ids.shape
+    w = weights.reshape(t * k).astype(jnp.float32)
+    key = jnp.where(w != 0, ids.reshape(t * k), e)  # [P]; e = "not computed here"
+    order = jnp.argsort(key, stable=True)
+    sizes = jnp.bincount(key, length=e + 1)[:e].astype(jnp.int32)  # [E] rows per expert
+    tok = order // k
+    xs = x.astype(jnp.float32)[tok]  # [P, D] sorted by expert
+    hid = jax.nn.silu(lax.ragged_dot(xs, jnp.swapaxes(gate, 1, 2), sizes)) * lax.ragged_dot(
+        xs, jnp.swapaxes(up, 1, 2), sizes
+    )  # [P, I]
+    y = lax.ragged_dot(hid, jnp.swapaxes(down, 1, 2), sizes)  # [P, D]
+    w_sorted = jnp.where(
+        key[order] < e, w[order], 0.0
+    )  # rows past the groups: zero, whatever the kernel left
+    return jnp.zeros((t, x.shape[1]), jnp.float32).at[tok].add(y * w_sorted[:, None])

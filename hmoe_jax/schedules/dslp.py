@@ -12,7 +12,8 @@ cache where single-device decode expects it.
 
 Options: all_logits (False), staging ("ring": C++ staging ring, the default; "direct":
 jax.device_put from the host copy), ep_capacity (ep only: pair slots per rank pair; None =
-no drop possible). Prefill from position 0 only (chunked continuation uses `cpu`).
+no drop possible), acc_experts ("grouped": ragged_dot grouped GEMMs, the default; "ref":
+experts_ref, every local expert on every token). Prefill from position 0 only (chunked continuation uses `cpu`).
 
 The plan is data for the simulator: each dslp_load's bytes is what crosses rank r's
 host link; each compute op's flops are PER RANK (all ranks run it in lock-step), and its
@@ -97,6 +98,9 @@ class DslpSchedule(Schedule):
             raise ScheduleError(f"{self.name}: staging={staging!r}, expected 'ring' or 'direct'")
         all_logits = bool(self.options.get("all_logits", False))
         capacity = self.options.get("ep_capacity")
+        acc_experts = str(self.options.get("acc_experts", "grouped"))
+        if acc_experts not in ("grouped", "ref"):
+            raise ScheduleError(f"{self.name}: acc_experts={acc_experts!r}, expected 'grouped' or 'ref'")
         layout = ZigzagLayout.for_sequence(num_tokens, n)
         t_pad, k, el = layout.padded_len, cfg.num_experts_per_tok, cfg.n_routed_experts // n
         per_rank_tokens = t_pad // n
@@ -175,6 +179,7 @@ class DslpSchedule(Schedule):
             start_pos=0,
             moe_scheme=self.moe_scheme,
             staging=staging,
+            acc_experts=acc_experts,
             padded_tokens=t_pad,
             experts_per_rank=el,
             all_logits=all_logits,
