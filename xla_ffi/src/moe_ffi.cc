@@ -126,7 +126,7 @@ ffi::Error MoeExpertsImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> ids, ffi::Buff
     return bad(e);
 
   MoeExecOptions eopt;
-  eopt.isa = select_isa(static_cast<int>(max_isa));
+  eopt.isa = gemm_isa(select_isa(static_cast<int>(max_isa)));  // the path the kernels really run
   eopt.num_threads = static_cast<int>(num_threads);
   const bool is_f32 = x.element_type() == ffi::F32;
   run_moe(plan, w, is_f32 ? static_cast<const float*>(x.untyped_data()) : nullptr,
