@@ -186,19 +186,27 @@ def _experts_acc(run: Run, op: Op) -> list:
     key = ("sorted", i, t0)
     if key not in run.vals:  # first group of the layer: sort its assignments once
         x, ids, w = run.vals[("route", i, t0)]
-        run.vals[key] = pieces.sort_by_expert(ids, w, run.cfg.n_routed_experts)
+        token, wts, offsets = pieces.sort_by_expert(ids, w, run.cfg.n_routed_experts)
+        # E + 1 ints to the host (one small sync per layer) so each group runs on exactly
+        # its rows, with a static bucketed shape.
+        run.vals[key] = (token, wts, np.asarray(offsets))
         run.vals[("routed", i, t0)] = jax.numpy.zeros_like(x)
     x = run.vals[("route", i, t0)][0]
     token, wts, offsets = run.vals[key]
-    lo, _ = op.args["experts"]
+    lo, hi = op.args["experts"]
+    sizes = np.diff(offsets[lo : hi + 1]).astype(np.int32)
+    n = int(sizes.sum())
+    if n == 0:  # no token chose these experts: nothing to add
+        return []
     acc = pieces.experts_group(
         x,
         run.vals[("routed", i, t0)],
         token,
         wts,
-        offsets,
-        np.int32(lo),
+        np.int32(offsets[lo]),
+        sizes,
         run.vals[("slot", int(op.args["slot"]))],
+        rows=pieces.row_bucket(n),
     )
     run.vals[("routed", i, t0)] = acc
     return [acc]

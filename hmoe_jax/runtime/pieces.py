@@ -88,34 +88,43 @@ def sort_by_expert(ids: jax.Array, weights: jax.Array, n_experts: int):
     return (order // k).astype(jnp.int32), weights.reshape(-1)[order], offsets
 
 
-@jax.jit
+def row_bucket(n: int) -> int:
+    """Static row count for a group of n token-expert rows: the next power of two (>= 16),
+    so a prefill compiles a handful of shapes, never one per count."""
+    return max(16, 1 << (max(n, 1) - 1).bit_length())
+
+
+@functools.partial(jax.jit, static_argnames=("rows",))
 def experts_group(
     x: jax.Array,
     acc: jax.Array,
     token: jax.Array,
     wts: jax.Array,
-    offsets: jax.Array,
-    lo: jax.Array,
+    off: jax.Array,
+    sizes: jax.Array,
     group: ExpertsParams,
+    rows: int,
 ) -> jax.Array:
-    """acc [T, D] += the routed output of experts [lo, lo + G) held in one ring slot.
+    """acc [T, D] += the routed output of the G experts held in one ring slot.
 
-    Grouped GEMM: the token-expert rows of the group (contiguous in the sorted order) are
-    rotated to the front and run through jax.lax.ragged_dot with the group's per-expert row
-    counts; FP8 weights are dequantized inside this computation (no f32 copy of the weights
-    outlives it). Rows past the group's count are masked out.
+    Grouped GEMM over exactly the group's token-expert rows: they are contiguous in the
+    expert-sorted order, starting at `off` (host-known from the layer's offsets), sizes [G]
+    rows per expert, padded to the static `rows` (row_bucket) and masked. The rows run
+    through jax.lax.ragged_dot (gate, up, down) with the per-expert sizes; FP8 weights are
+    dequantized inside this computation (no f32 copy of the weights outlives it). XLA's GPU
+    lowering of ragged_dot is a grouped kernel; on CPU it is dense per group (G x the rows'
+    FLOPs), which only the stand-in pays.
     """
-    g = group.gate.shape[0]
     m = token.shape[0]
-    sizes = jax.lax.dynamic_slice(offsets, (lo,), (g + 1,))
-    gs = (sizes[1:] - sizes[:-1]).astype(jnp.int32)  # [G]
-    rows = (jnp.arange(m, dtype=jnp.int32) + sizes[0]) % m  # [M]
-    xs = x[token[rows]]  # [M, D]
+    n = sizes.sum()
+    idx = jnp.minimum(off + jnp.arange(rows, dtype=jnp.int32), m - 1)  # [rows]
+    tok = token[idx]
+    xs = x[tok]  # [rows, D]
     gw = dense_weight(group.gate).transpose(0, 2, 1)  # [G, D, I]
     uw = dense_weight(group.up).transpose(0, 2, 1)
     dw = dense_weight(group.down).transpose(0, 2, 1)  # [G, I, D]
-    hid = jax.nn.silu(jax.lax.ragged_dot(xs, gw, gs)) * jax.lax.ragged_dot(xs, uw, gs)  # [M, I]
-    y = jax.lax.ragged_dot(hid, dw, gs)  # [M, D]
-    valid = jnp.arange(m) < gs.sum()
-    y = y * jnp.where(valid, wts[rows], 0.0)[:, None]
-    return acc.at[token[rows]].add(y)
+    hid = jax.nn.silu(jax.lax.ragged_dot(xs, gw, sizes)) * jax.lax.ragged_dot(xs, uw, sizes)  # [rows, I]
+    y = jax.lax.ragged_dot(hid, dw, sizes)  # [rows, D]
+    keep = jnp.arange(rows) < n
+    y = y * jnp.where(keep, wts[idx], 0.0)[:, None]
+    return acc.at[tok].add(jnp.where(keep[:, None], y, 0.0))
