@@ -103,3 +103,12 @@ def test_cost_model_matches_paper_sizes():
     assert abs(costs.expert_bytes(V3) - 44e6) < 1e6  # 3 x 7168 x 2048 FP8 + scales
     f32 = dataclasses.replace(V3, quant=None)
     assert costs.expert_bytes(f32) == 4 * 3 * 7168 * 2048
+
+
+def test_shipped_system_configs_load_with_the_paper_thresholds():
+    one, two = load_system("rtx5090_x1"), load_system("rtx5090_x2")
+    assert (one.num_accelerators, two.num_accelerators) == (1, 2)
+    assert one.auto_slp_min_tokens == 4096 and one.h2d_gbps == 56.0
+    auto = get_schedule("auto")
+    assert auto.choose(two, 8192, devices=2) in ("dslp", "slp")
+    assert auto.choose(one, 2048, devices=1) == "cpu"
