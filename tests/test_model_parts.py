@@ -15,7 +15,7 @@ import torch
 from hmoe_jax.config import RopeConfig, named_model_config
 from hmoe_jax.model.generate import generate, sample
 from hmoe_jax.model.layers import linear, rms_norm
-from hmoe_jax.model.mla import mla_attention
+from hmoe_jax.model.mla import mla_attend, mla_attend_expanded, mla_attention, mla_qkv
 from hmoe_jax.model.model import forward, forward_nocache, init_cache
 from hmoe_jax.model.moe import experts_ref, moe_block, route
 from hmoe_jax.model.params import ExpertsParams, MLAParams, MoEParams
@@ -249,6 +249,28 @@ def test_mla_with_cache_matches_hf_attention(ds_model, x_scale):
     hf_lat, hf_rop = cache.layers[0].keys.numpy()[:, 0], cache.layers[0].values.numpy()[:, 0]  # [1, 7, .]
     np.testing.assert_allclose(np.asarray(lat)[:, :7], hf_lat, rtol=0, atol=1e-5 * np.abs(hf_lat).max())
     np.testing.assert_allclose(np.asarray(rop)[:, :7], hf_rop, rtol=0, atol=1e-5 * np.abs(hf_rop).max())
+
+
+@pytest.mark.parametrize("start_pos", [0, 5])
+def test_mla_expanded_equals_absorbed(ds_model, start_pos):
+    """The two attention forms on the same cache: prefill (start_pos 0) and a chunk after
+    5 cached tokens."""
+    cfg, _, state = ds_model
+    p = params_from_state(cfg, state).layers[0].attn
+    x = jnp.asarray(RNG.standard_normal((2, 4, cfg.hidden_size)).astype(np.float32))
+    lat = jnp.asarray(RNG.standard_normal((2, 16, cfg.kv_lora_rank)).astype(np.float32))
+    rop = jnp.asarray(RNG.standard_normal((2, 16, cfg.qk_rope_head_dim)).astype(np.float32))
+
+    @jax.jit
+    def both(p, x, lat, rop):
+        q_nope, q_rope, new_lat, new_rop = mla_qkv(p, cfg, x, start_pos)
+        lat = jax.lax.dynamic_update_slice(lat, new_lat, (0, start_pos, 0))
+        rop = jax.lax.dynamic_update_slice(rop, new_rop, (0, start_pos, 0))
+        args = (p, cfg, q_nope, q_rope, lat, rop, start_pos)
+        return mla_attend(*args), mla_attend_expanded(*args)
+
+    a, e = (np.asarray(o) for o in both(p, x, lat, rop))
+    np.testing.assert_allclose(e, a, rtol=0, atol=1e-5 * np.abs(a).max())
 
 
 def test_mla_real_deepseek_dims_fp8_matches_hf():

@@ -5,7 +5,8 @@ The cache holds, per token and layer, the normed kv_lora part of kv_a_proj_with_
 values): cfg.cache_dim in all, never the expanded per-head K/V. Attention runs in the
 absorbed form: q_nope is mapped into the latent space through kv_b's key half, scores are
 q_lat . latent + q_rope . k_rope, and the latent-space output goes through kv_b's value
-half. This equals HF's expanded form (same products, another summation order).
+half. This equals HF's expanded form (same products, another summation order), which
+`mla_attend_expanded` also offers (cheaper for long prefill).
 """
 
 from __future__ import annotations
@@ -107,3 +108,30 @@ def mla_attention(
     )
     cache_rope = jax.lax.dynamic_update_slice(cache_rope, k_rope.astype(cache_rope.dtype), (0, start_pos, 0))
     return mla_attend(p, cfg, q_nope, q_rope, cache_latent, cache_rope, start_pos), cache_latent, cache_rope
+
+
+def mla_attend_expanded(
+    p: MLAParams,
+    cfg: ModelConfig,
+    q_nope: jax.Array,
+    q_rope: jax.Array,
+    cache_latent: jax.Array,
+    cache_rope: jax.Array,
+    start_pos: jax.Array,
+) -> jax.Array:
+    """mla_attend in HF's expanded form: per-head K_nope/V from kv_b over the cached latents,
+    then ordinary attention over qk_head_dim. Same result; fewer FLOPs for long prefill
+    (scores cost H*(dn+dr) instead of H*(R+dr) per query-key pair: 3x less at DeepSeek-V3
+    dims), more memory ([B, S, H, dn+dv] expanded). Same shapes as mla_attend."""
+    b, t, h, dn = q_nope.shape
+    dv = cfg.v_head_dim
+    lat = cache_latent.astype(jnp.float32)  # [B, S, R]
+    rop = cache_rope.astype(jnp.float32)  # [B, S, dr]
+    kv = jnp.einsum("bsr,nr->bsn", lat, dense_weight(p.kv_b)).reshape(b, -1, h, dn + dv)  # [B, S, H, dn+dv]
+    k_nope, v = kv[..., :dn], kv[..., dn:]
+    scores = jnp.einsum("bthd,bshd->bhts", q_nope, k_nope) + jnp.einsum("bthd,bsd->bhts", q_rope, rop)
+    scores = scores * cfg.softmax_scale  # [B, H, T, S]
+    mask = causal_mask(jnp.asarray(start_pos, jnp.int32), t, lat.shape[1])
+    probs = jax.nn.softmax(jnp.where(mask[None, None], scores, -jnp.inf), axis=-1)
+    o = jnp.einsum("bhts,bshd->bthd", probs, v).reshape(b, t, h * dv)
+    return linear(o, p.o)
