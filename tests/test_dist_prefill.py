@@ -51,7 +51,6 @@ CASES = [
     ("smallep", False, 1),
     ("smallep", False, 2),
     ("smallep", False, 4),
-    ("ep", False, 2),
     ("ep", False, 4),
     ("smallep", True, 4),
     ("ep", True, 2),
