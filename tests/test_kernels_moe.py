@@ -117,6 +117,23 @@ def test_schedules_identical(experts, m):
         np.testing.assert_array_equal(np.asarray(moe_experts(x, ids, w, ex, **kw)), base, err_msg=str(kw))
 
 
+def test_plan_shape_follows_schedule_and_numa_split():
+    """The identical outputs above are not because the options were ignored: the plan
+    really has per-node queues, expert ownership by contiguous id blocks, and the task
+    counts of each schedule."""
+    ex = _experts("fp8")
+    x, _, w = _routing(2, 4)
+    ids = np.array([[0, 1, 5, 6], [1, 2, 6, 7]], np.int32)  # experts 0, 1, 2 | 5, 6, 7
+    n_active, gu_tasks, down_tasks = 6, -(-INTER // 64), -(-D // 128)
+    _, fine = moe_experts_with_stats(x, ids, w, ex, numa_nodes=2, **SLICES)
+    assert (fine["queues"], fine["node0_experts"]) == (2, 3)
+    assert fine["tasks"] == n_active * (gu_tasks + down_tasks)
+    _, one = moe_experts_with_stats(x, ids, w, ex, **SLICES)
+    assert (one["queues"], one["node0_experts"]) == (1, n_active)
+    _, coarse = moe_experts_with_stats(x, ids, w, ex, schedule="coarse", numa_nodes=2)
+    assert (coarse["queues"], coarse["tasks"]) == (1, 2 * n_active)
+
+
 @pytest.mark.parametrize("isa", ["portable", "avx2", "avx512"])
 def test_forced_isa_paths(experts, isa):
     fmt, ex = experts

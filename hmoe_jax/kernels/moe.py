@@ -31,7 +31,7 @@ _TARGET = "hmoe_moe_experts"
 _SCHEDULES = {"fine": 0, "coarse": 1}
 _ISAS = {"portable": 0, "avx2": 1, "avx512": 2, "amx": 3}
 _FP8, _INT4 = 0, 1
-STATS_LEN = 10  # xla_ffi/src/moe_ffi.cc, enum Stat
+STATS_LEN = 13  # xla_ffi/src/moe_ffi.cc, enum Stat
 STAT_NAMES = (
     "ptr_gate_w",
     "ptr_up_w",
@@ -43,6 +43,9 @@ STAT_NAMES = (
     "active_weight_bytes",
     "isa",
     "threads",
+    "queues",  # task queues: numa_nodes (fine) or 1 (coarse)
+    "node0_experts",  # active experts owned by NUMA node 0
+    "tasks",  # gate/up + down tasks of the plan
 )
 
 

@@ -20,7 +20,8 @@ namespace {
 // stats layout (int64 [kStatsLen]).
 enum Stat : int {
   kPtrGateQ = 0, kPtrUpQ, kPtrDownQ, kPtrGateS, kPtrUpS, kPtrDownS,
-  kActiveExperts, kActiveWeightBytes, kIsaUsed, kThreadsUsed, kStatsLen
+  kActiveExperts, kActiveWeightBytes, kIsaUsed, kThreadsUsed,
+  kQueues, kNode0Experts, kTasks, kStatsLen
 };
 
 std::string dims_str(ffi::AnyBuffer::Dimensions dims) {
@@ -143,6 +144,12 @@ ffi::Error MoeExpertsImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> ids, ffi::Buff
   st[kActiveWeightBytes] = active_weight_bytes(plan, w);
   st[kIsaUsed] = static_cast<int64_t>(eopt.isa);
   st[kThreadsUsed] = threads_used(eopt);
+  // The plan's shape, so tests can see that the schedule / NUMA split really happened.
+  st[kQueues] = static_cast<int64_t>(plan.queues.size());
+  st[kNode0Experts] = 0;
+  for (int32_t node : plan.expert_node) st[kNode0Experts] += node == 0;
+  st[kTasks] = 0;
+  for (const auto& q : plan.queues) st[kTasks] += static_cast<int64_t>(q.size());
   int32_t* words = stats->typed_data();
   for (int i = 0; i < kStatsLen; ++i) {
     const uint64_t v = static_cast<uint64_t>(st[i]);
