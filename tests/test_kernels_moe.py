@@ -172,6 +172,29 @@ def test_under_jit_and_repeated_calls_are_stable(experts):
 _PTR_KEYS = ["ptr_gate_w", "ptr_gate_scale", "ptr_up_w", "ptr_up_scale", "ptr_down_w", "ptr_down_scale"]
 
 
+def test_concurrent_callers_get_their_own_results():
+    """Two Python threads calling the op at once (XLA may also run two calls concurrently):
+    the pool serialises regions and the scratch is locked, so each gets its exact result."""
+    import threading
+
+    ex = _experts("int4", seed=9)
+    cases = [_routing(m, 4) for m in (3, 5)]
+    want = [np.asarray(moe_experts(*c, ex, **SLICES)) for c in cases]
+    bad = []
+
+    def worker(i):
+        for _ in range(20):
+            if not np.array_equal(np.asarray(moe_experts(*cases[i], ex, **SLICES)), want[i]):
+                bad.append(i)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad
+
+
 def _host_leaves(ex: ExpertsParams) -> list[np.ndarray]:
     return [np.asarray(a) for t in (ex.gate, ex.up, ex.down) for a in (t.w, t.scale_inv)]
 
