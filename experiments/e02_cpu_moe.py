@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> dict:
     n_experts = 32
     n_layers = 1 if quick else 2
     ms = [1, 4, 64] if quick else [1, 2, 4, 6, 64, 512]
-    rounds = {1: 9, 2: 7, 4: 7, 6: 7, 64: 5, 512: 3} if not quick else {1: 5, 4: 3, 64: 3}
+    rounds = {1: 15, 2: 11, 4: 11, 6: 11, 64: 5, 512: 3} if not quick else {1: 7, 4: 3, 64: 3}
     rng = np.random.default_rng(0)
 
     print_ceiling(
