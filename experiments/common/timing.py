@@ -20,7 +20,7 @@ class TimingStats:
         return TimingStats(statistics.median(samples_s), min(samples_s), max(samples_s), len(samples_s))
 
     def as_dict(self) -> dict[str, float]:
-        return {"median_s": self.median_s, "best_s": self.best_s, "worst_s": self.worst_s, "n": self.n}
+        return {"median_s": self.median_s, "best_s": self.best_s, "worst_s": self.worst_s, "samples": self.n}
 
 
 def _time_once(fn: Callable[[], object]) -> float:
@@ -40,23 +40,31 @@ def median_time(fn: Callable[[], object], repeats: int = 7, warmup: int = 1) -> 
 
 
 def interleaved_timings(
-    variants: dict[str, Callable[[], object]], rounds: int = 7, warmup: int = 1, calls_per_sample: int = 1
+    variants: dict[str, Callable[[], object]],
+    rounds: int = 7,
+    warmup: int = 1,
+    calls_per_sample: int | dict[str, int] = 1,
 ) -> dict[str, TimingStats]:
     """Time several variants round-robin (A B C A B C ...), so that a neighbour's load hits
     them alike, and return per-variant stats of the time of ONE call (a sample is the mean
-    of `calls_per_sample` back-to-back calls; use it to rotate through a weight set)."""
-    for fn in variants.values():
+    of `calls_per_sample` back-to-back calls, per variant if a dict; use it to rotate
+    through a weight set)."""
+
+    def calls(name: str) -> int:
+        return calls_per_sample[name] if isinstance(calls_per_sample, dict) else calls_per_sample
+
+    for name, fn in variants.items():
         for _ in range(warmup):
-            for _ in range(calls_per_sample):
+            for _ in range(calls(name)):
                 _time_once(fn)
     samples: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(rounds):
         for name, fn in variants.items():
             t0 = time.perf_counter()
             out = None
-            for _ in range(calls_per_sample):
+            for _ in range(calls(name)):
                 out = fn()
                 if hasattr(out, "block_until_ready"):
                     out.block_until_ready()
-            samples[name].append((time.perf_counter() - t0) / calls_per_sample)
+            samples[name].append((time.perf_counter() - t0) / calls(name))
     return {name: TimingStats.of(s) for name, s in samples.items()}

@@ -7,8 +7,8 @@
 // once per 128-block (one FMA per accumulator). No f32/bf16 weight copy is ever stored.
 // NaN codes (0x7F/0xFF) decode to a bf16 quiet NaN (sign kept), so a NaN weight makes
 // its outputs NaN, as dequantize-then-dot does.
-// INT4: 64 nibbles (32 bytes) -> zero-extended words -> low/high nibble -> vpermw into a
-// 16-entry bf16 table of the int4 values -> vdpbf16ps; group scale once per group.
+// INT4: 64 nibbles (32 bytes) -> zero-extended words -> bf16(136 + q) by one logic op
+// per half (see below) -> vdpbf16ps, minus 136 * sum(x); group scale once per group.
 //
 // Tiling: R output rows x MB activation rows per register tile (MB <= 4); larger M loops
 // over activation chunks inside one row tile, so the tile's weights are re-read from L1,
@@ -87,6 +87,9 @@ constexpr int64_t kPrefetchRows = 1;
 template <int R, int MB>
 void fp8_tile(const uint16_t* xp, int64_t ks, const Fp8Matrix& w, int64_t r0, float* y,
               int64_t ldy, int64_t n_end) {
+  // Two accumulator chains per (row, activation) when registers allow (R * MB <= 4):
+  // vdpbf16ps has a ~6-cycle latency, and one chain per output would bound M = 1.
+  constexpr int S = R * MB <= 4 ? 2 : 1;
   const Fp8Tables& t = fp8_tables();
   const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
   const int64_t nkb = (w.k + w.block_k - 1) / w.block_k;
@@ -104,9 +107,10 @@ void fp8_tile(const uint16_t* xp, int64_t ks, const Fp8Matrix& w, int64_t r0, fl
     for (int i = 0; i < MB; ++i) tot[r][i] = _mm512_setzero_ps();
   for (int64_t kb = 0; kb < nkb; ++kb) {
     const int64_t k0 = kb * w.block_k, k1 = std::min(w.k, k0 + w.block_k);
-    __m512 acc[R][MB];
+    __m512 acc[R][MB][S];
     for (int r = 0; r < R; ++r)
-      for (int i = 0; i < MB; ++i) acc[r][i] = _mm512_setzero_ps();
+      for (int i = 0; i < MB; ++i)
+        for (int h = 0; h < S; ++h) acc[r][i][h] = _mm512_setzero_ps();
     for (int64_t c = k0; c < k1; c += 64) {
       const int64_t len = std::min<int64_t>(64, k1 - c);
       const __mmask64 mask = len == 64 ? ~0ull : ((1ull << len) - 1);
@@ -121,14 +125,17 @@ void fp8_tile(const uint16_t* xp, int64_t ks, const Fp8Matrix& w, int64_t r0, fl
         __m512i wa, wb;
         decode_fp8(codes, t, sign, wa, wb);
         for (int i = 0; i < MB; ++i) {
-          acc[r][i] = dp(acc[r][i], wa, xa[i]);
-          acc[r][i] = dp(acc[r][i], wb, xb[i]);
+          acc[r][i][0] = dp(acc[r][i][0], wa, xa[i]);
+          acc[r][i][S - 1] = dp(acc[r][i][S - 1], wb, xb[i]);
         }
       }
     }
     for (int r = 0; r < R; ++r) {
       const __m512 s = _mm512_set1_ps(srow[r][kb]);
-      for (int i = 0; i < MB; ++i) tot[r][i] = _mm512_fmadd_ps(acc[r][i], s, tot[r][i]);
+      for (int i = 0; i < MB; ++i) {
+        const __m512 a = S == 2 ? _mm512_add_ps(acc[r][i][0], acc[r][i][S - 1]) : acc[r][i][0];
+        tot[r][i] = _mm512_fmadd_ps(a, s, tot[r][i]);
+      }
     }
   }
   for (int r = 0; r < R; ++r)
@@ -147,21 +154,22 @@ void fp8_rows_mb(const uint16_t* xp, int64_t ks, int64_t mb, const Fp8Matrix& w,
 }
 
 // ---- INT4 ----
-
-inline __m512i int4_table() {
-  alignas(64) uint16_t v[32];
-  for (int i = 0; i < 32; ++i) {
-    const int q = ((i & 0xF) ^ 8) - 8;  // nibble -> two's-complement int4
-    v[i] = f32_to_bf16_rne(static_cast<float>(q));
-  }
-  return _mm512_load_si512(v);
-}
+// Decode without a table: for a nibble v (two's complement q), (v ^ 8) = q + 8 in [0, 16),
+// and bf16 bits 0x4300 | u are exactly 128 + u (the bf16 ulp at 128 is 1). So
+// (v & 0xF) ^ 0x4308 is bf16(136 + q) in ONE ternary-logic op (no shuffle), and
+//   sum_j x_j q_j = sum_j x_j (136 + q_j) - 136 * sum_j x_j,
+// with sum_j x_j accumulated per lane by vdpbf16ps against bf16 ones in the same tile
+// (shared by its R rows). Products stay exact; the f32 sums carry magnitudes ~136/|q|
+// larger than the plain dot, a relative error ~2^-24 * 136 * sum|x| per group, far
+// below the int4 step (tests bound it explicitly).
 
 template <int R, int MB>
 void int4_tile(const uint16_t* xp, int64_t ks, const Int4Matrix& w, int64_t r0, float* y,
                int64_t ldy, int64_t n_end) {
-  const __m512i tbl = int4_table();
   const __m512i low4 = _mm512_set1_epi16(0xF);
+  const __m512i bias = _mm512_set1_epi16(0x4308);
+  const __m512i ones = _mm512_set1_epi16(0x3F80);  // bf16 1.0
+  const __m512 k136 = _mm512_set1_ps(136.0f);
   const int64_t ng = w.k / w.group, row_bytes = w.k / 2;
   const uint8_t* rows[R];
   const uint16_t* srow[R];
@@ -175,7 +183,8 @@ void int4_tile(const uint16_t* xp, int64_t ks, const Int4Matrix& w, int64_t r0, 
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < MB; ++i) tot[r][i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < ng; ++g) {
-    __m512 acc[R][MB];
+    __m512 acc[R][MB], xsum[MB];
+    for (int i = 0; i < MB; ++i) xsum[i] = _mm512_setzero_ps();
     for (int r = 0; r < R; ++r)
       for (int i = 0; i < MB; ++i) acc[r][i] = _mm512_setzero_ps();
     for (int64_t c = g * w.group; c < (g + 1) * w.group; c += 64) {
@@ -183,6 +192,7 @@ void int4_tile(const uint16_t* xp, int64_t ks, const Int4Matrix& w, int64_t r0, 
       for (int i = 0; i < MB; ++i) {
         xlo[i] = _mm512_loadu_si512(xp + i * ks + c);
         xhi[i] = _mm512_loadu_si512(xp + i * ks + c + 32);
+        xsum[i] = dp(dp(xsum[i], xlo[i], ones), xhi[i], ones);
       }
       // one 64-byte line holds two chunks: prefetch once per line
       if ((c & 127) == 0)
@@ -192,8 +202,9 @@ void int4_tile(const uint16_t* xp, int64_t ks, const Int4Matrix& w, int64_t r0, 
         const __m256i bytes =
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[r] + c / 2));
         const __m512i words = _mm512_cvtepu8_epi16(bytes);
-        const __m512i wlo = _mm512_permutexvar_epi16(_mm512_and_si512(words, low4), tbl);
-        const __m512i whi = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), tbl);
+        // (words & 0xF) ^ 0x4308: ternlog(A=words, B=low4, C=bias) = (A & B) ^ C = 0x6A
+        const __m512i wlo = _mm512_ternarylogic_epi32(words, low4, bias, 0x6A);
+        const __m512i whi = _mm512_xor_si512(_mm512_srli_epi16(words, 4), bias);
         for (int i = 0; i < MB; ++i) {
           acc[r][i] = dp(acc[r][i], wlo, xlo[i]);
           acc[r][i] = dp(acc[r][i], whi, xhi[i]);
@@ -202,7 +213,8 @@ void int4_tile(const uint16_t* xp, int64_t ks, const Int4Matrix& w, int64_t r0, 
     }
     for (int r = 0; r < R; ++r) {
       const __m512 s = _mm512_set1_ps(scale_bf16(srow[r][g]));
-      for (int i = 0; i < MB; ++i) tot[r][i] = _mm512_fmadd_ps(acc[r][i], s, tot[r][i]);
+      for (int i = 0; i < MB; ++i)
+        tot[r][i] = _mm512_fmadd_ps(_mm512_fnmadd_ps(xsum[i], k136, acc[r][i]), s, tot[r][i]);
     }
   }
   for (int r = 0; r < R; ++r)
