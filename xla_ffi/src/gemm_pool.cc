@@ -50,15 +50,23 @@ class Pool {
     work(fn, n_tasks);
     // Every claimed task is running on some thread: wait for them; then close the job so
     // no late worker joins it, and wait for the helpers that joined to leave.
-    while (done_.load(std::memory_order_acquire) < n_tasks) HMOE_PAUSE();
+    for (int spin = 0; done_.load(std::memory_order_acquire) < n_tasks; ++spin) relax(spin);
     {
       std::lock_guard<std::mutex> lk(mu_);
       closed_ = true;
     }
-    while (busy_.load(std::memory_order_acquire) != 0) HMOE_PAUSE();
+    for (int spin = 0; busy_.load(std::memory_order_acquire) != 0; ++spin) relax(spin);
   }
 
  private:
+  // Spin briefly, then yield: on a shared machine the thread we wait for may need our core.
+  static void relax(int spin) {
+    if (spin < 2000)
+      HMOE_PAUSE();
+    else
+      std::this_thread::yield();
+  }
+
   void work(const std::function<void(int64_t)>& fn, int64_t n_tasks) {
     in_pool_task = true;
     for (;;) {
