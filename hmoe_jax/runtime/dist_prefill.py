@@ -42,7 +42,7 @@ from hmoe_jax.runtime.dist import (
     smallep_comm,
 )
 from hmoe_jax.runtime.dist_attention import cp_attention_block
-from hmoe_jax.runtime.dist_moe import ep_moe, smallep_moe
+from hmoe_jax.runtime.dist_moe import ep_moe, experts_grouped, smallep_moe
 from hmoe_jax.runtime.dist_stream import RankStreamer
 
 MOE_SCHEMES = ("smallep", "ep")
@@ -173,7 +173,7 @@ def dist_prefill(
     mesh: Mesh,
     *,
     moe_scheme: str = "smallep",
-    expert_fn: ExpertFn = experts_ref,
+    expert_fn: ExpertFn = experts_grouped,
     max_len: int | None = None,
     all_logits: bool = False,
     ep_capacity: int | None = None,
@@ -183,7 +183,8 @@ def dist_prefill(
     """Prefill `tokens` [B, T] int from position 0 over the ranks of `mesh` (1-D, axis AXIS).
     params: host (numpy / memmap) or device arrays; each layer is streamed when needed.
     max_len: cache length of the result (default T). cache_device: where the decode cache
-    goes (default the mesh's first device)."""
+    goes (default the mesh's first device). expert_fn: the ranks' routed-expert function
+    (default grouped GEMMs; experts_ref computes every local expert on every token)."""
     if moe_scheme not in MOE_SCHEMES:
         raise ValueError(f"dist_prefill: moe_scheme {moe_scheme!r} is not one of {MOE_SCHEMES}")
     tok = np.asarray(tokens)
@@ -274,7 +275,7 @@ def dist_generate(
     mesh: Mesh,
     *,
     moe_scheme: str = "smallep",
-    expert_fn: ExpertFn = experts_ref,
+    expert_fn: ExpertFn = experts_grouped,
     decode_expert_fn: ExpertFn | None = None,
     stop_ids: Any = None,
 ) -> tuple[GenerateResult, DistPrefillResult]:
@@ -294,7 +295,7 @@ def dist_generate(
     dev = mesh.devices.flat[0]
     dparams = jax.device_put(params, dev)
     cache, tokens, decode_s = pre.cache, [tok], []
-    efn = expert_fn if decode_expert_fn is None else decode_expert_fn
+    efn = experts_ref if decode_expert_fn is None else decode_expert_fn  # as model.generate
     while len(tokens) < max_new_tokens and tok not in stops:
         t0 = time.perf_counter()
         with jax.default_device(dev):
