@@ -34,6 +34,23 @@ COLORS = {
 }
 
 
+def family(kind: str) -> str:
+    """Map op kinds of any schedule (e.g. dslp_load, cp_attn) onto the legend's families."""
+    if kind in COLORS:
+        return kind
+    for key, fam in (
+        ("load", "load"),
+        ("attn", "attn"),
+        ("expert", "experts_acc"),
+        ("moe", "experts_acc"),
+        ("unload", "unload"),
+        ("release", "unload"),
+    ):
+        if key in kind:
+            return fam
+    return kind
+
+
 def read_trace(path: Path) -> tuple[list[str], list[dict], dict]:
     d = json.loads(path.read_text())
     names = {
@@ -55,23 +72,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace", type=Path)
     ap.add_argument("--out", type=Path, default=Path("paper_figs/slp_trace.png"))
-    ap.add_argument(
-        "--first-op", type=int, default=0, help="skip decode steps etc.: plot slices of one plan only"
-    )
+    ap.add_argument("--plan", type=int, default=0, help="which plan of the trace (0: the prefill)")
     args = ap.parse_args()
     tracks, slices, meta = read_trace(args.trace)
-    prefill = [s for s in slices if s["args"].get("kind", s["name"].split()[0]) != "decode"]
-    # the first plan of the file (a prefill) ends at its "final" op
-    end = next(
-        (s["ts"] + s["dur"] for s in sorted(prefill, key=lambda s: s["ts"]) if s["name"] == "final"), None
-    )
-    if end is not None:
-        prefill = [s for s in prefill if s["ts"] <= end]
+    # one plan (the prefill is plan 0; decode steps follow as plans 1, 2, ...)
+    prefill = [s for s in slices if s["args"].get("plan", 0) == args.plan]
     tracks = [t for t in tracks if any(s["args"]["resource"] == t for s in prefill)]
     row = {t: i for i, t in enumerate(tracks)}
     fig, ax = plt.subplots(figsize=(12, 0.6 + 0.55 * len(tracks)))
     for s in prefill:
-        kind = s["name"].split()[0]
+        kind = family(s["name"].split()[0])
         y = row[s["args"]["resource"]]
         ax.broken_barh(
             [(s["ts"] / 1e3, max(s["dur"], 1.0) / 1e3)],
@@ -94,7 +104,7 @@ def main() -> None:
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
     plans = meta.get("plans", [{}])
-    p = plans[0] if plans else {}
+    p = plans[args.plan] if args.plan < len(plans) else {}
     title = f"{p.get('schedule', 'trace')} prefill, {p.get('num_tokens', '?')} tokens, ring {p.get('ring_slots', '-')} slots"
     if meta.get("link_gbps"):
         title += f", link capped at {meta['link_gbps']} GB/s (emulation)"

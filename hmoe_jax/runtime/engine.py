@@ -148,9 +148,9 @@ class Engine:
             acc_tflops_cap=self.acc_tflops_cap,
         )
         if trace is not None:
-            trace.meta.setdefault("plans", []).append(
-                {"schedule": plan.schedule, "num_tokens": plan.num_tokens, **plan.meta}
-            )
+            plans = trace.meta.setdefault("plans", [])
+            run.plan_index = len(plans)
+            plans.append({"schedule": plan.schedule, "num_tokens": plan.num_tokens, **plan.meta})
         return run, X.execute(plan, run, mode or self.mode)
 
     def prefill(

@@ -66,6 +66,7 @@ class Run:
     vals: dict[Any, Any] = dataclasses.field(default_factory=dict)
     logits: list[Any] = dataclasses.field(default_factory=list)  # chunks of [B, t, V]
     streamed_bytes: dict[int, int] = dataclasses.field(default_factory=dict)  # layer -> bytes loaded
+    plan_index: int = 0  # which of the trace's plans this run is (slice arg "plan")
 
     @property
     def acc(self) -> jax.Device:
@@ -286,7 +287,14 @@ def _exec(run: Run, op: Op, block: bool) -> None:
     t1 = time.perf_counter_ns()
     if run.trace is not None:
         name = op.kind if op.layer < 0 else f"{op.kind} L{op.layer}"
-        args = {"op": op.id, "layer": op.layer, "bytes": op.bytes, "flops": op.flops, **op.args}
+        args = {
+            "plan": run.plan_index,
+            "op": op.id,
+            "layer": op.layer,
+            "bytes": op.bytes,
+            "flops": op.flops,
+            **op.args,
+        }
         if ("copy_ns", op.id) in run.vals:
             c0, c1 = run.vals.pop(("copy_ns", op.id))
             args.update(copy_start_ns=c0, copy_end_ns=c1)
