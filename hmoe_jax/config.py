@@ -139,6 +139,9 @@ class ModelConfig:
             for f in dataclasses.fields(self)
             if f.name not in ("rope", "quant")
         }
+        # HF has one model class for both families; "kimi_k2" is not an HF model_type
+        # (AutoConfig would refuse the file), so the HF view always says deepseek_v3.
+        d["model_type"] = "deepseek_v3"
         d["architectures"] = ["DeepseekV3ForCausalLM"]
         if isinstance(d["eos_token_id"], tuple):
             d["eos_token_id"] = list(d["eos_token_id"])

@@ -64,5 +64,9 @@ def test_missing_and_bad_json(tmp_path):
 
 
 def test_hf_roundtrip():
-    cfg = named_model_config("kimi_k2_tiny")
-    assert config_from_dict(cfg.to_hf_dict()) == cfg
+    import dataclasses
+
+    for name in ("deepseek_v3_tiny", "kimi_k2_tiny"):
+        cfg = named_model_config(name)
+        back = config_from_dict(cfg.to_hf_dict())
+        assert back == dataclasses.replace(cfg, model_type="deepseek_v3")

@@ -10,7 +10,7 @@ kernel can take the whole layer plus expert ids (no per-call slicing copies).
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import jax
 from flax import struct
@@ -18,7 +18,7 @@ from flax import struct
 from hmoe_jax.quant.fp8 import Fp8Tensor
 
 Array = Any  # np.ndarray | jax.Array
-Weight = Union[Array, Fp8Tensor]  # logical shape [..., out, in]
+Weight = Array | Fp8Tensor  # logical shape [..., out, in]
 
 
 @struct.dataclass
