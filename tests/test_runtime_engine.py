@@ -92,3 +92,40 @@ def test_cli_engine_flag_errors(tmp_path, capsys):
     assert "--trace: directory" in capsys.readouterr().err
     assert cli.main([*base, "--schedule", "cpu", "--devices", "9"]) == 1
     assert "stand-in" in capsys.readouterr().err
+
+
+def test_decode_placement_routed_experts_on_host_rest_on_accelerator(monkeypatch):
+    from hmoe_jax.runtime import executor as X
+
+    cfg, params = fp8_model()
+    eng = Engine(params, cfg, devices=2, expert_fn="ref")
+    host, acc = eng.placement.host, eng.placement.acc
+    assert host != acc and acc == eng.placement.accelerators[0]
+    where: dict[str, set] = {}
+    for kind in (
+        "embed",
+        "attn",
+        "dense_ffn",
+        "route",
+        "shared",
+        "d2h",
+        "experts_cpu",
+        "h2d",
+        "combine",
+        "final",
+    ):
+        fn = X.HANDLERS[kind]
+
+        def spy(run, op, fn=fn):
+            outs = fn(run, op)
+            where.setdefault(op.kind, set()).update(d for a in outs for d in a.devices())
+            return outs
+
+        monkeypatch.setitem(X.HANDLERS, kind, spy)
+    cache = eng.new_cache(64)
+    eng.prefill(list(range(3, 9)), cache, "cpu")
+    eng.decode_step(5, 6, cache)
+    on_host = {"d2h", "experts_cpu"}
+    for kind, devs in where.items():
+        assert devs == ({host} if kind in on_host else {acc}), f"{kind} ran on {devs}"
+    assert set(where) >= {"attn", "route", "shared", "experts_cpu", "combine", "final"}
