@@ -99,6 +99,8 @@ void int4_gemm_rows_avx2(const uint16_t* xp, int64_t m, const Int4Matrix& w, int
                          int64_t n1, float* y, int64_t ldy);
 void int4_gemm_rows_avx512(const uint16_t* xp, int64_t m, const Int4Matrix& w, int64_t n0,
                            int64_t n1, float* y, int64_t ldy);
+// AVX-512 FP8 with m >= this uses the decoded-panel kernel (default 12); for benchmarks.
+void set_fp8_panel_min_m(int m);
 // Sum (mod 2^64) of a byte buffer's little-endian 64-bit words, plus its last < 8 bytes
 // one by one, read with the widest loads (bandwidth probe). Call with 8-byte aligned
 // chunk starts so that chunked sums add up to the whole buffer's.
