@@ -36,7 +36,7 @@ from hmoe_jax.runtime.dist import (
     smallep_comm,
 )
 from hmoe_jax.runtime.dist_attention import cp_attention_block
-from hmoe_jax.runtime.dist_moe import ep_moe, experts_grouped, smallep_moe
+from hmoe_jax.runtime.dist_moe import ep_moe, experts_grouped, grouped_experts_fn, smallep_moe
 from tests.test_dist_params import random_params, tiny_config
 
 REL_TOL = 1e-5
@@ -161,8 +161,9 @@ def test_moe_schemes_match_moe_block(scheme, name, fp8, n):
         assert int(outs[2]) == 0
 
 
+@pytest.mark.parametrize("chunk", [None, 3, 8])  # None: one ragged_dot over all; 3 -> gcd 1: 16 chunks
 @pytest.mark.parametrize("fp8", [False, True])
-def test_experts_grouped_matches_experts_ref(fp8):
+def test_experts_grouped_matches_experts_ref(fp8, chunk):
     """Including what SmallEP/EP hand it: zero-weight pairs whose id repeats a real one."""
     cfg = tiny_config()
     moe = jax.tree.map(jnp.asarray, random_params(cfg, seed=5, fp8=fp8).layers[-1].ffn)
@@ -171,7 +172,8 @@ def test_experts_grouped_matches_experts_ref(fp8):
     ids = ids.at[::2, 1].set(ids[::2, 0])  # duplicate ids ...
     w = w.at[::2, 1].set(0.0).at[5].set(0.0)  # ... with weight 0, and a token with no pair at all
     ref = jax.jit(experts_ref)(x, ids, w, moe.experts)
-    assert_close(jax.jit(experts_grouped)(x, ids, w, moe.experts), ref, f"experts_grouped fp8={fp8}")
+    fn = experts_grouped if chunk is None else grouped_experts_fn(chunk)
+    assert_close(jax.jit(fn)(x, ids, w, moe.experts), ref, f"grouped experts fp8={fp8} chunk={chunk}")
     assert not np.asarray(ref)[5].any()
 
 
@@ -181,7 +183,8 @@ def test_moe_schemes_with_grouped_experts(scheme):
     moe = jax.tree.map(jnp.asarray, random_params(cfg, seed=2, fp8=True).layers[-1].ffn)
     x = np.random.default_rng(3).standard_normal((24, cfg.hidden_size)).astype(np.float32)
     ref = jax.jit(moe_block, static_argnames="cfg")(moe, cfg, jnp.asarray(x))
-    assert_close(_run_moe(scheme, moe, cfg, x, 4, expert_fn=experts_grouped)[0], ref, f"{scheme} grouped")
+    fn = grouped_experts_fn(2)  # 4 local experts at N = 4: two chunks
+    assert_close(_run_moe(scheme, moe, cfg, x, 4, expert_fn=fn)[0], ref, f"{scheme} grouped")
 
 
 def test_ep_reports_dropped_pairs_when_capacity_is_short():

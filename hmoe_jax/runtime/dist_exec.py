@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from hmoe_jax.model.moe import ExpertFn, experts_ref
 from hmoe_jax.runtime.dist import AXIS, ZigzagLayout
-from hmoe_jax.runtime.dist_moe import experts_grouped
+from hmoe_jax.runtime.dist_moe import grouped_experts_fn
 from hmoe_jax.runtime.dist_prefill import (
     _embed_fn,
     _last_logits_fn,
@@ -58,7 +58,10 @@ class DslpState:
     comm: list[dict] = dataclasses.field(default_factory=list)
 
 
-ACC_EXPERTS = {"grouped": experts_grouped, "ref": experts_ref}
+ACC_EXPERTS = {
+    "grouped": grouped_experts_fn(8),
+    "ref": experts_ref,
+}  # grouped: 8 experts dequantized at a time
 
 
 def _state(run: Run) -> DslpState:

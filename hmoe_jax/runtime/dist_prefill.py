@@ -42,10 +42,11 @@ from hmoe_jax.runtime.dist import (
     smallep_comm,
 )
 from hmoe_jax.runtime.dist_attention import cp_attention_block
-from hmoe_jax.runtime.dist_moe import ep_moe, experts_grouped, smallep_moe
+from hmoe_jax.runtime.dist_moe import ep_moe, grouped_experts_fn, smallep_moe
 from hmoe_jax.runtime.dist_stream import RankStreamer
 
 MOE_SCHEMES = ("smallep", "ep")
+DEFAULT_EXPERT_FN = grouped_experts_fn(8)  # grouped GEMMs, 8 local experts dequantized at a time
 
 
 @dataclasses.dataclass
@@ -173,7 +174,7 @@ def dist_prefill(
     mesh: Mesh,
     *,
     moe_scheme: str = "smallep",
-    expert_fn: ExpertFn = experts_grouped,
+    expert_fn: ExpertFn | None = None,
     max_len: int | None = None,
     all_logits: bool = False,
     ep_capacity: int | None = None,
@@ -184,7 +185,9 @@ def dist_prefill(
     params: host (numpy / memmap) or device arrays; each layer is streamed when needed.
     max_len: cache length of the result (default T). cache_device: where the decode cache
     goes (default the mesh's first device). expert_fn: the ranks' routed-expert function
-    (default grouped GEMMs; experts_ref computes every local expert on every token)."""
+    (default grouped GEMMs, 8 experts dequantized at a time; experts_ref computes every
+    local expert on every token)."""
+    expert_fn = DEFAULT_EXPERT_FN if expert_fn is None else expert_fn
     if moe_scheme not in MOE_SCHEMES:
         raise ValueError(f"dist_prefill: moe_scheme {moe_scheme!r} is not one of {MOE_SCHEMES}")
     tok = np.asarray(tokens)
@@ -275,7 +278,7 @@ def dist_generate(
     mesh: Mesh,
     *,
     moe_scheme: str = "smallep",
-    expert_fn: ExpertFn = experts_grouped,
+    expert_fn: ExpertFn | None = None,
     decode_expert_fn: ExpertFn | None = None,
     stop_ids: Any = None,
 ) -> tuple[GenerateResult, DistPrefillResult]:
