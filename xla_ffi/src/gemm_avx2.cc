@@ -71,7 +71,7 @@ void fp8_tile(const uint16_t* xp, int64_t ks, const Fp8Matrix& w, int64_t r0, fl
     for (int64_t c = k0; c < k1; c += 16) {
       if ((c & 63) == 0)
         for (int r = 0; r < R; ++r)
-          _mm_prefetch(reinterpret_cast<const char*>(pf + r * w.k + c), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(pf + r * w.k + c), _MM_HINT_T1);
       __m256 x0[MB], x1[MB];
       for (int i = 0; i < MB; ++i) {
         x0[i] = bf16x8(xp + i * ks + c);  // x is zero padded to a multiple of 64
@@ -128,7 +128,7 @@ void int4_tile(const uint16_t* xp, int64_t ks, const Int4Matrix& w, int64_t r0, 
     for (int64_t c = g * w.group; c < (g + 1) * w.group; c += 64) {
       if ((c & 127) == 0)
         for (int r = 0; r < R; ++r)
-          _mm_prefetch(reinterpret_cast<const char*>(pf + r * row_bytes + c / 2), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(pf + r * row_bytes + c / 2), _MM_HINT_T1);
       for (int r = 0; r < R; ++r) {
         const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[r] + c / 2));
         // q8[0..31]: chunk elements 0..31 (low nibbles); q8[32..63]: 32..63 (high)
