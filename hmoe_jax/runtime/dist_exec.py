@@ -32,14 +32,14 @@ from hmoe_jax.model.moe import ExpertFn, experts_ref
 from hmoe_jax.runtime.dist import AXIS, ZigzagLayout
 from hmoe_jax.runtime.dist_moe import grouped_experts_fn
 from hmoe_jax.runtime.dist_prefill import (
-    _embed_fn,
-    _last_logits_fn,
-    _logits_fn,
-    _split_layer,
     attn_fn,
     check_dropped,
+    embed_fn,
     ffn_fn,
+    last_logits_fn,
+    logits_fn,
     moe_comm_record,
+    split_layer,
 )
 from hmoe_jax.runtime.dist_stream import RankStreamer
 from hmoe_jax.runtime.executor import Run, register_op_kind
@@ -102,7 +102,7 @@ def _embed(run: Run, op: Op) -> list:
     run.vals["dslp"] = st
     tok_zz = np.pad(run.tokens, ((0, 0), (0, layout.padded_len - t)))[:, layout.order].astype(np.int32)
     table = st.streamer.replicated(-1, run.weights.host.embed)
-    h = _embed_fn(mesh)(table, jax.device_put(tok_zz, NamedSharding(mesh, P(None, AXIS))))
+    h = embed_fn(mesh)(table, jax.device_put(tok_zz, NamedSharding(mesh, P(None, AXIS))))
     run.vals["dslp_h"] = h
     return [h]
 
@@ -111,7 +111,7 @@ def _embed(run: Run, op: Op) -> list:
 def _load(run: Run, op: Op) -> list:
     st = _state(run)
     i, r, slot = op.layer, int(op.args["rank"]), int(op.args.get("slot", -1))
-    rest, experts = _split_layer(run.weights.host.layers[i])
+    rest, experts = split_layer(run.weights.host.layers[i])
     rest_dev = st.streamer.rank_copy(i, r, rest, "replicated")
     exp_dev = None
     if experts is not None:
@@ -142,7 +142,7 @@ def _layer_weights(run: Run, st: DslpState, i: int) -> tuple[Any, Any]:
         rest = st.streamer.assemble_replicated({r: p[0] for r, p in pieces.items()})
         experts = None
         if pieces[ranks[0]][1] is not None:
-            like = _split_layer(run.weights.host.layers[i])[1]
+            like = split_layer(run.weights.host.layers[i])[1]
             experts = st.streamer.assemble_sharded({r: p[1] for r, p in pieces.items()}, like)
         run.vals[key] = (rest, experts)
     return run.vals[key]
@@ -203,11 +203,11 @@ def _final(run: Run, op: Op) -> list:
     t = run.tokens.shape[1]
     acc = run.weights.placement.acc
     if op.args.get("rows", "last") == "all":
-        lz = _logits_fn(st.mesh, run.cfg)(norm, lm_head, h)  # [B, S_pad, V] zig-zag
+        lz = logits_fn(st.mesh, run.cfg)(norm, lm_head, h)  # [B, S_pad, V] zig-zag
         lg = jax.device_put(lz[:, lay.inverse[:t]], acc)  # [B, T, V]
     else:
         rank, local = lay.owner_of_last
-        lg = jax.device_put(_last_logits_fn(run.cfg, rank * lay.local_len + local)(norm, lm_head, h), acc)[
+        lg = jax.device_put(last_logits_fn(run.cfg, rank * lay.local_len + local)(norm, lm_head, h), acc)[
             :, None
         ]
     run.logits.append(lg)

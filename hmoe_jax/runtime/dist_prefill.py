@@ -59,7 +59,7 @@ class DistPrefillResult:
     layout: ZigzagLayout
 
 
-def _split_layer(layer: LayerParams) -> tuple[LayerParams, Any]:
+def split_layer(layer: LayerParams) -> tuple[LayerParams, Any]:
     """(layer without routed experts, the routed experts or None)."""
     if isinstance(layer.ffn, MoEParams):
         return dataclasses.replace(layer, ffn=dataclasses.replace(layer.ffn, experts=None)), layer.ffn.experts
@@ -138,7 +138,7 @@ def check_dropped(dropped: Any, layer: int, capacity: int | None) -> None:
 
 
 @functools.cache
-def _embed_fn(mesh: Mesh):
+def embed_fn(mesh: Mesh):
     def body(table, tok):  # tok [B, 2C] -> h [B, 2C, D]
         return embed(ModelParams(embed=table, layers=(), norm=None, lm_head=None), tok)
 
@@ -146,7 +146,7 @@ def _embed_fn(mesh: Mesh):
 
 
 @functools.cache
-def _logits_fn(mesh: Mesh, cfg: ModelConfig):
+def logits_fn(mesh: Mesh, cfg: ModelConfig):
     """Final norm + lm_head on the sequence owners: h [B, 2C, D] -> [B, 2C, V]."""
 
     def body(norm, lm_head, h):
@@ -157,7 +157,7 @@ def _logits_fn(mesh: Mesh, cfg: ModelConfig):
 
 
 @functools.cache
-def _last_logits_fn(cfg: ModelConfig, z_last: int):
+def last_logits_fn(cfg: ModelConfig, z_last: int):
     """lm_head on the last real token only (zig-zag index z_last): h [B, S_pad, D] -> [B, V]."""
 
     def f(norm, lm_head, h):
@@ -208,10 +208,10 @@ def dist_prefill(
     seq_sharding = NamedSharding(mesh, P(None, AXIS))
 
     tok_zz = np.pad(tok, ((0, 0), (0, layout.padded_len - t)))[:, layout.order].astype(np.int32)
-    h = _embed_fn(mesh)(streamer.replicated(-1, params.embed), jax.device_put(tok_zz, seq_sharding))
+    h = embed_fn(mesh)(streamer.replicated(-1, params.embed), jax.device_put(tok_zz, seq_sharding))
 
     def put(i: int):
-        rest, experts = _split_layer(params.layers[i])
+        rest, experts = split_layer(params.layers[i])
         return streamer.replicated(i, rest), None if experts is None else streamer.experts(i, experts)
 
     n_layers = cfg.num_hidden_layers
@@ -242,11 +242,11 @@ def dist_prefill(
     z_last = last_rank * layout.local_len + last_local
     logits = None
     if all_logits:
-        lz = _logits_fn(mesh, cfg)(norm, lm_head, h)  # [B, S_pad, V] zig-zag order, on the owners
+        lz = logits_fn(mesh, cfg)(norm, lm_head, h)  # [B, S_pad, V] zig-zag order, on the owners
         logits = jax.device_put(lz[:, layout.inverse[:t]], cache_device)
         logits_last = logits[:, -1]
     else:
-        logits_last = jax.device_put(_last_logits_fn(cfg, z_last)(norm, lm_head, h), cache_device)
+        logits_last = jax.device_put(last_logits_fn(cfg, z_last)(norm, lm_head, h), cache_device)
     cache = _assemble_cache(cfg, lats, rops, b, t, max_len, cache_device)
     return DistPrefillResult(logits_last, cache, logits, comm, streamer, layout)
 
