@@ -153,7 +153,14 @@ def test_moe_schemes_match_moe_block(scheme, name, fp8, n):
     moe = jax.tree.map(jnp.asarray, random_params(cfg, seed=2, fp8=fp8).layers[-1].ffn)
     x = np.random.default_rng(3).standard_normal((24, cfg.hidden_size)).astype(np.float32)
     ref = jax.jit(moe_block, static_argnames="cfg")(moe, cfg, jnp.asarray(x))
-    outs = _run_moe(scheme, moe, cfg, x, n)
+    seen = []
+
+    def local_only(xs, ids, w, experts):  # what each rank's ExpertFn is handed
+        seen.append(jax.tree_util.tree_leaves(experts)[0].shape[0])
+        return experts_ref(xs, ids, w, experts)
+
+    outs = _run_moe(scheme, moe, cfg, x, n, expert_fn=local_only)
+    assert seen == [cfg.n_routed_experts // n], "each rank computes with its E/N experts only"
     assert_close(outs[0], ref, f"{scheme} N={n} {name} fp8={fp8}")
     ref_ids, _ = route(moe, cfg, jnp.asarray(x))
     assert (np.asarray(outs[1]) == np.asarray(ref_ids)).all(), "ids returned for accounting"
