@@ -13,8 +13,9 @@ Setup: D=7168, I=2048 (DeepSeek-V3's routed expert), 32 routed experts per layer
 plus the shared expert run through the same op and kernels; FP8 (DeepSeek's block format)
 and our INT4 (group 64); M in {1, 2, 4, 6, 64, 512} tokens; several layers' worth of
 experts rotated so that the weights far exceed the last-level cache. Routing ids are
-random (distinct per token), fresh per call. All variants run interleaved (round robin) on
-the same threads, next to a read-bandwidth probe, and report medians (shared machine).
+random (distinct per token), fresh per call. All variants run interleaved (each round in a
+random order, with a 20 ms untimed pause before each call so that other pools' spinning
+workers settle) on the same threads, next to a read-bandwidth probe; medians reported.
 
     python -m experiments.e02_cpu_moe [--quick] [--threads N]
 
@@ -30,6 +31,7 @@ import glob
 import importlib.util
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +40,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from experiments.common import emit_record, interleaved_timings, parse_args, print_ceiling
+from experiments.common import TimingStats, emit_record, parse_args, print_ceiling
 from hmoe_jax.kernels import ffi
 from hmoe_jax.kernels.gemm import aligned_empty, device_put_zero_copy, read_bytes
 from hmoe_jax.kernels.moe import moe_experts
@@ -163,6 +165,31 @@ def peak_tflops(threads: int) -> tuple[float | None, str]:
         return None, f"unavailable: {e}"
 
 
+def shuffled_timings(
+    variants: dict[str, Any], rounds: int, rng: np.random.Generator, settle_s: float = 0.02
+) -> dict[str, TimingStats]:
+    """Round-robin timing like experiments.common.interleaved_timings, but each round in a
+    fresh random order and with an untimed pause before every call: kt-kernel's and the
+    GEMM pool's workers keep spinning for a while after their call, and in a fixed order
+    that spin always lands on the same next variant (we saw it bias ours by 10-20%)."""
+    for fn in variants.values():  # warm-up (compiles, first touches)
+        _block(fn())
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
+    for _ in range(rounds):
+        for i in rng.permutation(len(names)):
+            time.sleep(settle_s)
+            t0 = time.perf_counter()
+            _block(variants[names[i]]())
+            samples[names[i]].append(time.perf_counter() - t0)
+    return {name: TimingStats.of(s) for name, s in samples.items()}
+
+
+def _block(out: Any) -> None:
+    if hasattr(out, "block_until_ready"):
+        out.block_until_ready()
+
+
 class Bench:
     """Variants of one M, sharing a call counter that rotates layers and routing sets."""
 
@@ -215,7 +242,7 @@ class Bench:
         if probe is not None:
             variants["read_probe_1gib"] = lambda: read_bytes(probe, num_threads=self.threads)
         distinct = float(np.mean([len(np.unique(s)) for s in ids]))
-        return interleaved_timings(variants, rounds=rounds, warmup=1), distinct
+        return shuffled_timings(variants, rounds, self.rng), distinct
 
     @staticmethod
     def rows(m: int, stats: dict, distinct: float) -> list[dict[str, Any]]:
