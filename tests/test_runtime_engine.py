@@ -102,18 +102,19 @@ def test_decode_placement_routed_experts_on_host_rest_on_accelerator(monkeypatch
     host, acc = eng.placement.host, eng.placement.acc
     assert host != acc and acc == eng.placement.accelerators[0]
     where: dict[str, set] = {}
-    for kind in (
+    kinds = (
         "embed",
         "attn",
         "dense_ffn",
         "route",
+        "attn_route",
         "shared",
         "d2h",
         "experts_cpu",
         "h2d",
         "combine",
-        "final",
-    ):
+    )
+    for kind in (*kinds, "final"):
         fn = X.HANDLERS[kind]
 
         def spy(run, op, fn=fn):
@@ -123,9 +124,9 @@ def test_decode_placement_routed_experts_on_host_rest_on_accelerator(monkeypatch
 
         monkeypatch.setitem(X.HANDLERS, kind, spy)
     cache = eng.new_cache(64)
-    eng.prefill(list(range(3, 9)), cache, "cpu")
-    eng.decode_step(5, 6, cache)
+    eng.prefill(list(range(3, 9)), cache, "cpu", fused=False)  # separate attn / route ops
+    eng.decode_step(5, 6, cache)  # fused attn_route
     on_host = {"d2h", "experts_cpu"}
     for kind, devs in where.items():
         assert devs == ({host} if kind in on_host else {acc}), f"{kind} ran on {devs}"
-    assert set(where) >= {"attn", "route", "shared", "experts_cpu", "combine", "final"}
+    assert set(where) >= {"attn", "route", "attn_route", "shared", "experts_cpu", "combine", "final"}

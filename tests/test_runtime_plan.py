@@ -67,8 +67,18 @@ def test_slp_ring_policy_follows_the_cost_estimate():
         get_schedule("slp", experts_per_slot=0).plan(V3, sys, 8)
 
 
+def test_cpu_plan_fused_attn_route_has_one_hop_per_moe_layer():
+    p = get_schedule("cpu").plan(TINY, SystemSpec(), 1, start_pos=7)
+    moe_layers = TINY.num_hidden_layers - TINY.first_k_dense_replace
+    kinds = p.kind_counts()
+    assert kinds["attn_route"] == kinds["d2h"] == kinds["experts_cpu"] == moe_layers
+    assert kinds["attn"] == TINY.first_k_dense_replace and "route" not in kinds
+    d2h = [op for op in p.ops if op.kind == "d2h"]
+    assert all(op.bytes == costs.hidden_bytes(TINY, 1) + costs.route_bytes(TINY, 1) for op in d2h)
+
+
 def test_cpu_plan_chunks_and_hops():
-    p = get_schedule("cpu", chunk_tokens=5).plan(TINY, SystemSpec(), 12)
+    p = get_schedule("cpu", chunk_tokens=5, fused=False).plan(TINY, SystemSpec(), 12)
     moe_layers = TINY.num_hidden_layers - TINY.first_k_dense_replace
     kinds = p.kind_counts()
     assert kinds["embed"] == 3 and kinds["attn"] == 3 * TINY.num_hidden_layers

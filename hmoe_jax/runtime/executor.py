@@ -18,6 +18,7 @@ Schedules defined elsewhere (e.g. dslp) add their op kinds with register_op_kind
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -133,19 +134,53 @@ def _shared(run: Run, op: Op) -> list:
     return [s]
 
 
+@register_op_kind("attn_route")
+def _attn_route(run: Run, op: Op) -> list:
+    t0, _ = run.span(op)
+    i = op.layer
+    h, lat, rope, x, packed = pieces.attn_route(
+        run.weights.acc.layers[i],
+        run.cfg,
+        run.vals[("h", t0)],
+        run.cache.latent[i],
+        run.cache.rope[i],
+        np.int32(run.start_pos + t0),
+    )
+    run.cache.latent[i], run.cache.rope[i] = lat, rope
+    run.vals[("h", t0)] = h
+    run.vals[("route", i, t0)] = (x, None, None)
+    run.vals[("packed", i, t0)] = packed
+    return [h, packed]
+
+
 @register_op_kind("d2h")
 def _d2h(run: Run, op: Op) -> list:
     t0, _ = run.span(op)
-    moved = jax.device_put(run.vals[("route", op.layer, t0)], run.weights.placement.host)
+    host = run.weights.placement.host
+    packed = run.vals.pop(("packed", op.layer, t0), None)
+    if packed is not None:  # one transfer of x | ids | weights (attn_route)
+        moved = [jax.device_put(packed, host)]
+    else:
+        moved = list(jax.device_put(run.vals[("route", op.layer, t0)], host))
     run.vals[("route_host", op.layer, t0)] = moved
-    return list(moved)
+    return moved
+
+
+@functools.cache
+def _packed_expert_fn(fn: Callable, hidden: int, k: int) -> Callable:
+    return jax.jit(lambda packed, experts: fn(*pieces.unpack_route(packed, hidden, k), experts))
 
 
 @register_op_kind("experts_cpu")
 def _experts_cpu(run: Run, op: Op) -> list:
     t0, _ = run.span(op)
-    x, ids, w = run.vals[("route_host", op.layer, t0)]
-    y = run.host_expert_fn(x, ids, w, run.weights.host_experts_dev[op.layer])
+    moved = run.vals.pop(("route_host", op.layer, t0))
+    experts = run.weights.host_experts_dev[op.layer]
+    if len(moved) == 1:
+        fn = _packed_expert_fn(run.host_expert_fn, run.cfg.hidden_size, run.cfg.num_experts_per_tok)
+        y = fn(moved[0], experts)
+    else:
+        y = run.host_expert_fn(*moved, experts)
     run.vals[("routed_host", op.layer, t0)] = y
     return [y]
 

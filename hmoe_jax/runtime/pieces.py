@@ -56,6 +56,25 @@ def route_tokens(
     return x, ids, w
 
 
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("lat", "rope"))
+def attn_route(
+    layer: LayerParams, cfg: ModelConfig, h: jax.Array, lat: jax.Array, rope: jax.Array, start_pos: jax.Array
+):
+    """Attention, post-attention norm and gating of a MoE layer as ONE computation (one
+    dispatch instead of two per layer in decode) -> (h [B, T, D], latent_l, rope_l,
+    x [B*T, D], packed [B*T, D + 2k]): the routed experts' inputs x | ids | weights packed in
+    one f32 array, so the hop to the host is one transfer, not three (ids < 2^24 are exact
+    in f32)."""
+    h, lat, rope = M.attention_block(layer, cfg, h, lat, rope, start_pos)
+    x, ids, w = route_tokens(layer, cfg, h)
+    return h, lat, rope, x, jnp.concatenate([x, ids.astype(jnp.float32), w], axis=-1)
+
+
+def unpack_route(packed: jax.Array, hidden: int, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Inverse of attn_route's packing: [M, D + 2k] -> x [M, D], ids [M, k] int32, weights [M, k]."""
+    return packed[:, :hidden], packed[:, hidden : hidden + k].astype(jnp.int32), packed[:, hidden + k :]
+
+
 @jax.jit
 def shared(p: FFNParams, x: jax.Array) -> jax.Array:
     return swiglu(p, x)

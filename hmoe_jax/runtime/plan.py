@@ -29,6 +29,7 @@ OP_KINDS = (
     "attn",  # input norm + MLA + residual; writes the layer's latent cache
     "dense_ffn",  # post-attention norm + dense SwiGLU + residual (layers < first_k_dense_replace)
     "route",  # post-attention norm + gating: x, ids, weights
+    "attn_route",  # attn + route of a MoE layer as one computation (cpu schedule, fused=True)
     "shared",  # shared expert(s) on x
     "d2h",  # hidden states (x, ids, weights) accelerator -> host
     "experts_cpu",  # routed experts on the host CPU (ExpertFn)

@@ -47,7 +47,8 @@ def add_attention(
 
 class CpuSchedule(Schedule):
     """Options: chunk_tokens (default system.cpu_prefill_chunk_tokens), all_logits (False:
-    lm_head on the last token only)."""
+    lm_head on the last token only), fused (True: a MoE layer's attention + gating are one
+    `attn_route` op whose hop is one packed transfer; False: separate attn / route ops)."""
 
     name = "cpu"
 
@@ -57,6 +58,7 @@ class CpuSchedule(Schedule):
         self.check_devices(self.uses_devices(devices))
         chunk = int(self.options.get("chunk_tokens", system.cpu_prefill_chunk_tokens))
         all_logits = bool(self.options.get("all_logits", False))
+        fused = bool(self.options.get("fused", True))
         b = PlanBuilder(self.name, num_tokens)
         k = cfg.num_experts_per_tok
         prev_chunk_last = None
@@ -67,20 +69,36 @@ class CpuSchedule(Schedule):
             # serialising chunks through h keeps that order (one accelerator stream).
             h = b.add("embed", "acc:0", deps=[prev_chunk_last], tokens=[t0, t1])
             for layer in range(cfg.num_hidden_layers):
-                h = add_attention(b, cfg, layer, t0, t1, start_pos, h)
-                if not cfg.is_moe_layer(layer):
-                    h = b.add(
-                        "dense_ffn",
+                if cfg.is_moe_layer(layer) and fused:
+                    # one computation and one hop per layer: what decode needs most
+                    r = h = b.add(
+                        "attn_route",
                         "acc:0",
                         layer=layer,
-                        flops=costs.dense_ffn_flops(cfg, n),
+                        flops=costs.attn_flops(cfg, n, start_pos + t0) + costs.router_flops(cfg, n),
                         deps=[h],
                         tokens=[t0, t1],
                     )
-                    continue
-                r = b.add(
-                    "route", "acc:0", layer=layer, flops=costs.router_flops(cfg, n), deps=[h], tokens=[t0, t1]
-                )
+                else:
+                    h = add_attention(b, cfg, layer, t0, t1, start_pos, h)
+                    if not cfg.is_moe_layer(layer):
+                        h = b.add(
+                            "dense_ffn",
+                            "acc:0",
+                            layer=layer,
+                            flops=costs.dense_ffn_flops(cfg, n),
+                            deps=[h],
+                            tokens=[t0, t1],
+                        )
+                        continue
+                    r = b.add(
+                        "route",
+                        "acc:0",
+                        layer=layer,
+                        flops=costs.router_flops(cfg, n),
+                        deps=[h],
+                        tokens=[t0, t1],
+                    )
                 hop = costs.hidden_bytes(cfg, n) + costs.route_bytes(cfg, n)
                 d = b.add("d2h", "d2h:0", layer=layer, bytes=hop, deps=[r], tokens=[t0, t1])
                 s = (
@@ -120,4 +138,4 @@ class CpuSchedule(Schedule):
                     rows="all" if all_logits else "last",
                 )
             prev_chunk_last = h
-        return b.build(devices=1, start_pos=start_pos, chunk_tokens=chunk, all_logits=all_logits)
+        return b.build(devices=1, start_pos=start_pos, chunk_tokens=chunk, all_logits=all_logits, fused=fused)
