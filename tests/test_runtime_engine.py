@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 
+import numpy as np
 import pytest
 
 from hmoe_jax.config import named_model_config
@@ -130,3 +131,28 @@ def test_decode_placement_routed_experts_on_host_rest_on_accelerator(monkeypatch
     for kind, devs in where.items():
         assert devs == ({host} if kind in on_host else {acc}), f"{kind} ran on {devs}"
     assert set(where) >= {"attn", "route", "attn_route", "shared", "experts_cpu", "combine", "final"}
+
+
+@pytest.mark.parametrize("mode", ["pipelined", "serial", "async"])
+def test_executor_errors_surface_without_hanging(mode, monkeypatch):
+    from hmoe_jax.runtime import executor as X
+    from hmoe_jax.runtime.plan import Op, Plan, PlanError
+
+    cfg, params = fp8_model()
+    eng = Engine(params, cfg, expert_fn="ref")
+    run = X.Run(cfg, eng.weights, eng.new_cache(64), np.zeros((1, 4), np.int32), 0, eng.host_expert_fn)
+
+    def boom(run, op):
+        raise RuntimeError(f"boom in op {op.id}")
+
+    monkeypatch.setitem(X.HANDLERS, "boom", boom)
+    monkeypatch.setitem(X.HANDLERS, "noop", lambda run, op: [])
+    plan = Plan(
+        "t", 4, (Op(0, "noop", "a:0"), Op(1, "boom", "b:0", deps=(0,)), Op(2, "noop", "a:0", deps=(1,)))
+    )
+    with pytest.raises(RuntimeError, match="boom in op 1"):
+        X.execute(plan.validate(), run, mode)
+    with pytest.raises(PlanError, match="no handler for kind 'nope'"):
+        X.execute(Plan("t", 4, (Op(0, "nope", "a:0"),)), run, mode)
+    with pytest.raises(ValueError, match="mode 'fast'"):
+        X.execute(plan, run, "fast")
