@@ -18,6 +18,10 @@ timed round-robin in one process per thread count (all cores, then 1 thread), me
   read_bw       hmoe_read_bytes over 1 GiB (the physical limit), same thread pool
 The thread count is fixed per child process: XLA_FLAGS / OPENBLAS_NUM_THREADS /
 torch.set_num_threads and our num_threads all get the same value.
+Summary keys: from median wall times at all cores (the issue's targets), the same from
+best-of samples (`*_best`: a shared core not taken away), and at 1 thread also from
+process CPU time (`*_cpu_1t`: descheduled time excluded, memory stalls included), since
+other processes share these 2 cores.
 """
 
 from __future__ import annotations
@@ -222,7 +226,38 @@ def _summarise(rows: list[dict[str, Any]], threads: int) -> dict[str, float]:
     read = [r["gbps"] for r in sel if r["variant"] == "read_bw"]
     read_gbps = float(np.median(read))
     fp8_gbps = total_bytes("fp8_ours") / total("fp8_ours") / 1e9
+    # best-of samples: what each variant does when a shared core is not taken from it
+    read_best = max(r["bytes"] / r["best_s"] / 1e9 for r in sel if r["variant"] == "read_bw")
+    fp8_best = total_bytes("fp8_ours") / total("fp8_ours", "best_s") / 1e9
+    best = {
+        "read_bw_gbps_best": read_best,
+        "fp8_gbps_best": fp8_best,
+        "fp8_bw_fraction_best": fp8_best / read_best,
+        "speedup_vs_f32_blas_best": total("f32_blas", "best_s") / total("fp8_ours", "best_s"),
+        "speedup_vs_xla_dequant_best": total("xla_dequant", "best_s") / total("fp8_ours", "best_s"),
+        "int4_time_ratio_vs_fp8_best": total("int4_ours", "best_s") / total("fp8_ours", "best_s"),
+    }
+    out = {**best}
+    if threads == 1:
+        # 1 thread in process CPU time: a neighbour taking the core does not count, memory
+        # stalls do (the pool is idle at num_threads=1; OpenBLAS has 1 thread in this child)
+        read_cpu = float(
+            np.median([r["bytes"] / r["cpu_median_s"] / 1e9 for r in sel if r["variant"] == "read_bw"])
+        )
+        fp8_cpu = total_bytes("fp8_ours") / total("fp8_ours", "cpu_median_s") / 1e9
+        out.update(
+            {
+                "read_bw_gbps_cpu": read_cpu,
+                "fp8_gbps_cpu": fp8_cpu,
+                "fp8_bw_fraction_cpu": fp8_cpu / read_cpu,
+                "speedup_vs_f32_blas_cpu": total("f32_blas", "cpu_median_s")
+                / total("fp8_ours", "cpu_median_s"),
+                "int4_time_ratio_vs_fp8_cpu": total("int4_ours", "cpu_median_s")
+                / total("fp8_ours", "cpu_median_s"),
+            }
+        )
     return {
+        **out,
         "read_bw_gbps": read_gbps,
         "fp8_gbps": fp8_gbps,
         "fp8_bw_fraction": fp8_gbps / read_gbps,

@@ -14,13 +14,20 @@ class TimingStats:
     best_s: float
     worst_s: float
     n: int
+    # median process CPU time per call (all threads; memory stalls count, time spent
+    # descheduled by a neighbour does not): on a shared machine the fairer 1-thread clock
+    cpu_median_s: float | None = None
 
     @staticmethod
-    def of(samples_s: list[float]) -> TimingStats:
-        return TimingStats(statistics.median(samples_s), min(samples_s), max(samples_s), len(samples_s))
+    def of(samples_s: list[float], cpu_samples_s: list[float] | None = None) -> TimingStats:
+        cpu = statistics.median(cpu_samples_s) if cpu_samples_s else None
+        return TimingStats(statistics.median(samples_s), min(samples_s), max(samples_s), len(samples_s), cpu)
 
     def as_dict(self) -> dict[str, float]:
-        return {"median_s": self.median_s, "best_s": self.best_s, "worst_s": self.worst_s, "samples": self.n}
+        d = {"median_s": self.median_s, "best_s": self.best_s, "worst_s": self.worst_s, "samples": self.n}
+        if self.cpu_median_s is not None:
+            d["cpu_median_s"] = self.cpu_median_s
+        return d
 
 
 def _time_once(fn: Callable[[], object]) -> float:
@@ -58,8 +65,10 @@ def interleaved_timings(
             for _ in range(calls(name)):
                 _time_once(fn)
     samples: dict[str, list[float]] = {name: [] for name in variants}
+    cpu_samples: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(rounds):
         for name, fn in variants.items():
+            c0 = time.process_time()
             t0 = time.perf_counter()
             out = None
             for _ in range(calls(name)):
@@ -67,4 +76,5 @@ def interleaved_timings(
                 if hasattr(out, "block_until_ready"):
                     out.block_until_ready()
             samples[name].append((time.perf_counter() - t0) / calls(name))
-    return {name: TimingStats.of(s) for name, s in samples.items()}
+            cpu_samples[name].append((time.process_time() - c0) / calls(name))
+    return {name: TimingStats.of(s, cpu_samples[name]) for name, s in samples.items()}
