@@ -14,7 +14,7 @@ plus the shared expert run through the same op and kernels; FP8 (DeepSeek's bloc
 and our INT4 (group 64); M in {1, 2, 4, 6, 64, 512} tokens; several layers' worth of
 experts rotated so that the weights far exceed the last-level cache. Routing ids are
 random (distinct per token), fresh per call. All variants run interleaved (each round in a
-random order, with a 20 ms untimed pause before each call so that other pools' spinning
+random order, with a 60 ms untimed pause before each call so that other pools' spinning
 workers settle) on the same threads, next to a read-bandwidth probe; medians reported.
 
     python -m experiments.e02_cpu_moe [--quick] [--threads N]
@@ -166,11 +166,11 @@ def peak_tflops(threads: int) -> tuple[float | None, str]:
 
 
 def shuffled_timings(
-    variants: dict[str, Any], rounds: int, rng: np.random.Generator, settle_s: float = 0.02
+    variants: dict[str, Any], rounds: int, rng: np.random.Generator, settle_s: float = 0.06
 ) -> dict[str, TimingStats]:
     """Round-robin timing like experiments.common.interleaved_timings, but each round in a
     fresh random order and with an untimed pause before every call: kt-kernel's and the
-    GEMM pool's workers keep spinning for a while after their call, and in a fixed order
+    GEMM pool's workers keep spinning after their call (kt-kernel: ~30-40 ms, measured), and in a fixed order
     that spin always lands on the same next variant (we saw it bias ours by 10-20%)."""
     for fn in variants.values():  # warm-up (compiles, first touches)
         _block(fn())
