@@ -3,7 +3,7 @@
 Interfaces are stable (other tools call them):
   hmoe generate [--checkpoint DIR] (--prompt TEXT | --tokens 1,2,3) [--max-new-tokens N]
                 [--temperature T] [--top-p P] [--seed S] [--ignore-eos] [--max-context N] [--json]
-                [--schedule NAME --devices N --trace FILE --link-gbps X --system S]  (hybrid engine)
+                [--schedule NAME --devices N --trace FILE --link-gbps X --acc-tflops-cap Y --system S]  (hybrid engine)
   hmoe logits   [--checkpoint DIR] --tokens 1,2,3 --out FILE.npy
   hmoe convert  --checkpoint IN --out OUT [--format fp8|bf16|f32] [--shard-bytes N]
 Without --checkpoint, the embedded default (deepseek_v3_tiny, synthetic FP8 weights,
@@ -260,6 +260,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="cap host->accelerator copies at this rate (emulation; not for performance claims)",
     )
+    p.add_argument(
+        "--acc-tflops-cap",
+        type=float,
+        default=None,
+        help="cap the stand-in accelerator's compute rate (emulation, with --link-gbps)",
+    )
     p.add_argument("--system", default=None, help="configs/systems/<name>.json or a path (SLP/auto policy)")
 
 
@@ -277,6 +283,8 @@ def cmd_generate_engine(args: argparse.Namespace, run: Run, ids: list[int]) -> i
         )
     if args.link_gbps is not None and args.link_gbps <= 0:
         raise InputError(f"--link-gbps must be > 0, got {args.link_gbps}")
+    if args.acc_tflops_cap is not None and args.acc_tflops_cap <= 0:
+        raise InputError(f"--acc-tflops-cap must be > 0, got {args.acc_tflops_cap}")
     if args.trace is not None and not args.trace.resolve().parent.is_dir():
         raise InputError(f"--trace: directory {args.trace.parent} does not exist")
     devices = args.devices or 1
@@ -285,7 +293,14 @@ def cmd_generate_engine(args: argparse.Namespace, run: Run, ids: list[int]) -> i
     from hmoe_jax.schedules.base import ScheduleError
 
     try:
-        eng = Engine(run.params, run.cfg, devices=devices, system=system, link_gbps=args.link_gbps)
+        eng = Engine(
+            run.params,
+            run.cfg,
+            devices=devices,
+            system=system,
+            link_gbps=args.link_gbps,
+            acc_tflops_cap=args.acc_tflops_cap,
+        )
         stops = () if args.ignore_eos else None
         t0 = time.perf_counter()
         if not args.no_warmup:  # compile prefill + decode pieces of this schedule and length
@@ -327,6 +342,7 @@ def cmd_generate_engine(args: argparse.Namespace, run: Run, ids: list[int]) -> i
             "schedule_requested": args.schedule,
             "devices": devices,
             "link_gbps": args.link_gbps,
+            "acc_tflops_cap": args.acc_tflops_cap,
             "prefill_s": res.prefill_s,
             "streamed_bytes": res.streamed_bytes,
             "trace": str(args.trace) if args.trace else None,

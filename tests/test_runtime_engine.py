@@ -89,6 +89,8 @@ def test_cli_engine_flag_errors(tmp_path, capsys):
     assert "--temperature must be 0" in capsys.readouterr().err
     assert cli.main([*base, "--schedule", "slp", "--link-gbps", "0"]) == 1
     assert "--link-gbps must be > 0" in capsys.readouterr().err
+    assert cli.main([*base, "--schedule", "slp", "--acc-tflops-cap", "-1"]) == 1
+    assert "--acc-tflops-cap must be > 0" in capsys.readouterr().err
     assert cli.main([*base, "--schedule", "cpu", "--trace", str(tmp_path / "no" / "t.json")]) == 1
     assert "--trace: directory" in capsys.readouterr().err
     assert cli.main([*base, "--schedule", "cpu", "--devices", "9"]) == 1
