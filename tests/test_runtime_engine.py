@@ -127,8 +127,12 @@ def test_decode_placement_routed_experts_on_host_rest_on_accelerator(monkeypatch
 
         monkeypatch.setitem(X.HANDLERS, kind, spy)
     cache = eng.new_cache(64)
-    eng.prefill(list(range(3, 9)), cache, "cpu", fused=False)  # separate attn / route ops
+    unfused, *_ = eng.prefill(
+        list(range(3, 9)), cache, "cpu", fused=False, all_logits=True
+    )  # attn, route ops
     eng.decode_step(5, 6, cache)  # fused attn_route
+    fused, *_ = eng.prefill(list(range(3, 9)), eng.new_cache(64), "cpu", all_logits=True)
+    np.testing.assert_allclose(np.asarray(fused), np.asarray(unfused), atol=1e-5, rtol=1e-5)
     on_host = {"d2h", "experts_cpu"}
     for kind, devs in where.items():
         assert devs == ({host} if kind in on_host else {acc}), f"{kind} ran on {devs}"
