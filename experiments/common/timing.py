@@ -14,8 +14,9 @@ class TimingStats:
     best_s: float
     worst_s: float
     n: int
-    # median process CPU time per call (all threads; memory stalls count, time spent
-    # descheduled by a neighbour does not): on a shared machine the fairer 1-thread clock
+    # median process CPU time per call (all threads: memory stalls count, time spent
+    # descheduled by a neighbour does not; but a thread waiting on another, e.g. Python
+    # blocked on XLA's execution thread, may count too)
     cpu_median_s: float | None = None
 
     @staticmethod
