@@ -48,8 +48,11 @@ def test_plan_streams_each_ranks_experts_through_reused_slots(name, n):
             assert o.bytes == rest + el * costs.expert_bytes(cfg)
             m = moe_layers.index(o.layer)
             assert o.args["slot"] == (m % 2) * n + r
+        assert 0 in o.deps, "every load waits for dslp_embed (it creates the run state)"
+        if o.layer in moe_layers:
+            m = moe_layers.index(o.layer)
             if m >= 2:  # the slot is refilled only after the MoE two layers back released it
-                (dep,) = o.deps
+                (dep,) = [d for d in o.deps if d != 0]
                 freed = plan.ops[dep]
                 assert freed.kind == "dslp_unload" and freed.layer == moe_layers[m - 2]
                 assert freed.args["slot"] == o.args["slot"]

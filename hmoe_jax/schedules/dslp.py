@@ -105,7 +105,7 @@ class DslpSchedule(Schedule):
         t_pad, k, el = layout.padded_len, cfg.num_experts_per_tok, cfg.n_routed_experts // n
         per_rank_tokens = t_pad // n
         b = PlanBuilder(self.name, num_tokens)
-        h = b.add(
+        h = embed = b.add(
             "dslp_embed", ACC, ranks=n, scheme=self.moe_scheme, ep_capacity=capacity, tokens=[0, num_tokens]
         )
         slot_free: dict[int, int] = {}  # slot -> the unload that last freed it
@@ -121,7 +121,7 @@ class DslpSchedule(Schedule):
                         f"h2d:{r}",
                         layer=layer,
                         bytes=layer_rest_bytes(cfg, layer) + (el * costs.expert_bytes(cfg) if moe else 0),
-                        deps=[slot_free.get(slot)],
+                        deps=[embed, slot_free.get(slot)],  # embed creates the run state the loaders use
                         rank=r,
                         slot=slot,
                         experts=[r * el, (r + 1) * el] if moe else None,
