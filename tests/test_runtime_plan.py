@@ -73,6 +73,10 @@ def test_cpu_plan_fused_attn_route_has_one_hop_per_moe_layer():
     kinds = p.kind_counts()
     assert kinds["attn_route"] == kinds["d2h"] == kinds["experts_cpu"] == moe_layers
     assert kinds["attn"] == TINY.first_k_dense_replace and "route" not in kinds
+    assert "shared" not in kinds  # decode: the shared expert is inside attn_route
+    assert all(op.args["with_shared"] for op in p.ops if op.kind == "attn_route")
+    long = get_schedule("cpu").plan(TINY, SystemSpec(), 64)
+    assert long.kind_counts()["shared"] == moe_layers  # prefill: separate, overlapping the host
     d2h = [op for op in p.ops if op.kind == "d2h"]
     assert all(op.bytes == costs.hidden_bytes(TINY, 1) + costs.route_bytes(TINY, 1) for op in d2h)
 

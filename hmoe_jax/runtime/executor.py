@@ -138,7 +138,8 @@ def _shared(run: Run, op: Op) -> list:
 def _attn_route(run: Run, op: Op) -> list:
     t0, _ = run.span(op)
     i = op.layer
-    h, lat, rope, x, packed = pieces.attn_route(
+    fn = pieces.attn_route_shared if op.args.get("with_shared") else pieces.attn_route
+    h, lat, rope, x, packed = fn(
         run.weights.acc.layers[i],
         run.cfg,
         run.vals[("h", t0)],
@@ -148,7 +149,10 @@ def _attn_route(run: Run, op: Op) -> list:
     )
     run.cache.latent[i], run.cache.rope[i] = lat, rope
     run.vals[("h", t0)] = h
-    run.vals[("route", i, t0)] = (x, None, None)
+    if op.args.get("with_shared"):
+        run.vals[("shared", i, t0)] = x  # the shared expert's output (x itself is not needed)
+    else:
+        run.vals[("route", i, t0)] = (x, None, None)
     run.vals[("packed", i, t0)] = packed
     return [h, packed]
 

@@ -70,6 +70,19 @@ def attn_route(
     return h, lat, rope, x, jnp.concatenate([x, ids.astype(jnp.float32), w], axis=-1)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("lat", "rope"))
+def attn_route_shared(
+    layer: LayerParams, cfg: ModelConfig, h: jax.Array, lat: jax.Array, rope: jax.Array, start_pos: jax.Array
+):
+    """attn_route plus the shared expert(s) in the same computation (decode: one dispatch for
+    everything the accelerator does before the hop) -> (h, latent_l, rope_l, shared [B*T, D],
+    packed [B*T, D + 2k])."""
+    h, lat, rope = M.attention_block(layer, cfg, h, lat, rope, start_pos)
+    x, ids, w = route_tokens(layer, cfg, h)
+    packed = jnp.concatenate([x, ids.astype(jnp.float32), w], axis=-1)
+    return h, lat, rope, swiglu(layer.ffn.shared, x), packed
+
+
 def unpack_route(packed: jax.Array, hidden: int, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Inverse of attn_route's packing: [M, D + 2k] -> x [M, D], ids [M, k] int32, weights [M, k]."""
     return packed[:, :hidden], packed[:, hidden : hidden + k].astype(jnp.int32), packed[:, hidden + k :]

@@ -48,7 +48,10 @@ def add_attention(
 class CpuSchedule(Schedule):
     """Options: chunk_tokens (default system.cpu_prefill_chunk_tokens), all_logits (False:
     lm_head on the last token only), fused (True: a MoE layer's attention + gating are one
-    `attn_route` op whose hop is one packed transfer; False: separate attn / route ops)."""
+    `attn_route` op whose hop is one packed transfer; False: separate attn / route ops),
+    fuse_shared_tokens (16: chunks of at most this many tokens, i.e. decode, also compute the
+    shared expert inside attn_route; longer chunks keep it a separate op that overlaps the
+    host's routed experts)."""
 
     name = "cpu"
 
@@ -59,6 +62,7 @@ class CpuSchedule(Schedule):
         chunk = int(self.options.get("chunk_tokens", system.cpu_prefill_chunk_tokens))
         all_logits = bool(self.options.get("all_logits", False))
         fused = bool(self.options.get("fused", True))
+        fuse_shared_tokens = int(self.options.get("fuse_shared_tokens", 16))
         b = PlanBuilder(self.name, num_tokens)
         k = cfg.num_experts_per_tok
         prev_chunk_last = None
@@ -69,15 +73,18 @@ class CpuSchedule(Schedule):
             # serialising chunks through h keeps that order (one accelerator stream).
             h = b.add("embed", "acc:0", deps=[prev_chunk_last], tokens=[t0, t1])
             for layer in range(cfg.num_hidden_layers):
+                with_shared = fused and bool(cfg.n_shared_experts) and n <= fuse_shared_tokens
                 if cfg.is_moe_layer(layer) and fused:
                     # one computation and one hop per layer: what decode needs most
+                    flops = costs.attn_flops(cfg, n, start_pos + t0) + costs.router_flops(cfg, n)
                     r = h = b.add(
                         "attn_route",
                         "acc:0",
                         layer=layer,
-                        flops=costs.attn_flops(cfg, n, start_pos + t0) + costs.router_flops(cfg, n),
+                        flops=flops + (costs.shared_flops(cfg, n) if with_shared else 0),
                         deps=[h],
                         tokens=[t0, t1],
+                        with_shared=with_shared,
                     )
                 else:
                     h = add_attention(b, cfg, layer, t0, t1, start_pos, h)
@@ -110,7 +117,7 @@ class CpuSchedule(Schedule):
                         deps=[r],
                         tokens=[t0, t1],
                     )
-                    if cfg.n_shared_experts
+                    if cfg.n_shared_experts and not with_shared
                     else None
                 )
                 e = b.add(
