@@ -15,6 +15,8 @@
 //   pack_x_f32(isa, WeightFormat::kFp8, x, m, /*ldx=*/k, k, xp.data());   // once per x
 //   fp8_gemm_rows(isa, xp.data(), m, w, n0, n1, y, /*ldy=*/w.n);           // any slices
 // The packed layout depends on (isa, format): pack and multiply with the same pair.
+// Guarantee (the MoE op relies on it): any permutation acts within one 64-element chunk,
+// so packing a row 64 elements at a time at 64-aligned offsets equals packing it whole.
 #pragma once
 
 #include <cstdint>
