@@ -2,11 +2,12 @@
 
 Tolerances. The op rounds x and silu(g) * u to bf16 and sums in f32; moe_experts_ref with
 bf16_activations=True does the same roundings, so what is left is f32 summation order
-(per 128-block / group, then blocks, then k slots) plus the rare bf16 rounding flip of an
-h element whose f32 value sits on a rounding boundary (2^-8 relative on that one element).
-Both are far below 1e-4 of the output's max magnitude (observed: ~1e-6). Against the pure
-f32 reference the bf16 activations add ~2^-9 relative error per element, randomly signed:
-we allow 1e-2 of the max magnitude there and check that it is really non-zero.
+(per 128-block / group, then blocks, then k slots; and exp() inside silu) plus the rare
+bf16 rounding flip of an h element whose f32 value sits on a rounding boundary: one flip
+moves that element by one bf16 ulp (2^-8 relative), up to ~2e-4 of max |y| at these shapes
+(observed: summation order alone < 3e-5 of max |y|, one flip 1.6e-4). TOL_BF16_REF = 5e-4
+allows a few flips and stays well below the effect of the bf16 activations themselves,
+which the pure-f32 reference shows (observed 2e-3 to 3.5e-3; we require 0 < err < 1e-2).
 Schedules (fine / coarse / NUMA splits / thread counts) run the same kernel calls on the
 same rows with column slices aligned to the kernels' tiles, and combine in the same slot
 order, so they are compared bit for bit.
@@ -44,6 +45,7 @@ from hmoe_jax.quant.int4 import quantize_int4_np  # noqa: E402
 E, INTER, D = 8, 192, 384
 SLICES = dict(gate_up_slice=64, down_slice=128)  # several tasks per expert at these shapes
 RNG = np.random.default_rng(1234)
+TOL_BF16_REF = 5e-4  # see the module docstring
 
 
 def _experts(fmt: str, seed: int = 0) -> ExpertsParams:
@@ -79,7 +81,7 @@ def test_matches_ref(experts, m, k):
     y = moe_experts(x, ids, w, ex, **SLICES)
     ref = moe_experts_ref(x, ids, w, ex)
     assert y.shape == (m, D) and y.dtype == jnp.float32
-    assert _rel_err(y, ref) < 1e-4
+    assert _rel_err(y, ref) < TOL_BF16_REF
     if m >= 4:  # tokens share experts: each active expert serves several rows
         assert len(np.unique(ids)) < ids.size
 
@@ -89,7 +91,7 @@ def test_every_k_and_f32_reference(experts):
     for k in range(1, 9):
         x, ids, w = _routing(3, k)
         y = np.asarray(moe_experts(x, ids, w, ex, **SLICES))
-        assert _rel_err(y, moe_experts_ref(x, ids, w, ex)) < 1e-4, k
+        assert _rel_err(y, moe_experts_ref(x, ids, w, ex)) < TOL_BF16_REF, k
         err_f32 = _rel_err(y, moe_experts_ref(x, ids, w, ex, bf16_activations=False))
         assert 0 < err_f32 < 1e-2, k  # bf16 activations are visible, and small
 
@@ -98,7 +100,7 @@ def test_repeated_expert_within_a_token(experts):
     _, ex = experts
     x, _, w = _routing(5, 4)
     ids = np.array([[3, 3, 1, 3]] * 5, np.int32)  # one expert twice+ in a row, all tokens alike
-    assert _rel_err(moe_experts(x, ids, w, ex, **SLICES), moe_experts_ref(x, ids, w, ex)) < 1e-4
+    assert _rel_err(moe_experts(x, ids, w, ex, **SLICES), moe_experts_ref(x, ids, w, ex)) < TOL_BF16_REF
 
 
 @pytest.mark.parametrize("m", [1, 6, 64])
@@ -143,7 +145,7 @@ def test_forced_isa_paths(experts, isa):
     x, ids, w = _routing(6, 4)
     y, stats = moe_experts_with_stats(x, ids, w, ex, max_isa=isa, **SLICES)
     assert stats["isa"] == {"portable": 0, "avx2": 1, "avx512": 2}[isa]
-    assert _rel_err(y, moe_experts_ref(x, ids, w, ex)) < 1e-4, (fmt, isa)
+    assert _rel_err(y, moe_experts_ref(x, ids, w, ex)) < TOL_BF16_REF, (fmt, isa)
 
 
 def test_bf16_input_and_uint8_fp8_bits():
@@ -164,7 +166,7 @@ def test_under_jit_and_repeated_calls_are_stable(experts):
     f = jax.jit(lambda x, i, w, e: moe_experts(x, i, w, e, **SLICES))
     x, ids, w = _routing(4, 4)
     first = np.asarray(f(x, ids, w, ex))
-    assert _rel_err(first, moe_experts_ref(x, ids, w, ex)) < 1e-4
+    assert _rel_err(first, moe_experts_ref(x, ids, w, ex)) < TOL_BF16_REF
     for _ in range(50):  # the pool's region hand-off, back to back (spinning workers)
         np.testing.assert_array_equal(np.asarray(f(x, ids, w, ex)), first)
 

@@ -11,8 +11,9 @@ Numerics (both schedules, every ISA path): x is rounded to bf16 once, silu(g) * 
 rounded to bf16 before the down projection, products are exact in f32 and summed in f32
 per 128-block (FP8) / group (INT4), block scales applied after each block's sum, the k
 expert outputs are combined in f32 in slot order j = 0..k-1. `moe_experts_ref` with
-`bf16_activations=True` (default) models exactly those roundings, so only f32 summation
-order separates the two.
+`bf16_activations=True` (default) models exactly those roundings, so f32 summation order
+separates the two, plus the occasional bf16 rounding flip of an h element that this order
+(or exp's last ulp) pushes across a rounding boundary (tests/test_kernels_moe.py).
 """
 
 from __future__ import annotations
