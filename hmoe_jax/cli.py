@@ -39,12 +39,24 @@ class Run:
     """Everything a command needs to execute a model, built once from parsed args."""
 
     cfg: ModelConfig
-    params: Any  # ModelParams (leaves on the default device after build_run)
+    host_params: Any  # ModelParams as loaded: the one host copy (memmaps, aligned expert stacks)
     tokenizer: Any  # hmoe_jax.io.tokenizer.Tokenizer
     model: str  # human/JSON name of the model
     checkpoint: Path
     expert_fn: Any  # hmoe_jax.model.moe.ExpertFn
     max_context: int
+    _device_params: Any = None
+
+    @property
+    def params(self) -> Any:
+        """host_params on the default device, for the plain model path; placed on first use
+        only, so the engine path (which does its own placement from the host copy) never
+        pays for a whole-model transfer to the default device."""
+        if self._device_params is None:
+            import jax
+
+            self._device_params = jax.device_put(self.host_params)
+        return self._device_params
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
@@ -65,7 +77,6 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
 
 def build_run(args: argparse.Namespace) -> Run:
     """Load the model and resolve run options. New run flags plug in here."""
-    import jax
 
     from hmoe_jax.io.loader import load_checkpoint
     from hmoe_jax.io.synthetic import DEFAULT_MODEL, DEFAULT_SEED, ensure_default_checkpoint
@@ -89,7 +100,7 @@ def build_run(args: argparse.Namespace) -> Run:
         max_context = args.max_context
     return Run(
         cfg=cfg,
-        params=jax.device_put(params),
+        host_params=params,
         tokenizer=load_tokenizer(ckpt, cfg.vocab_size),
         model=model,
         checkpoint=ckpt,
@@ -294,7 +305,7 @@ def cmd_generate_engine(args: argparse.Namespace, run: Run, ids: list[int]) -> i
 
     try:
         eng = Engine(
-            run.params,
+            run.host_params,
             run.cfg,
             devices=devices,
             system=system,
