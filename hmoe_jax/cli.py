@@ -22,6 +22,7 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -188,6 +189,29 @@ def _warmup(run: Run, ids: list[int], max_new_tokens: int, temperature: float, t
     return time.perf_counter() - t0
 
 
+def _median_s(decode_s: list[float]) -> float:
+    return float(statistics.median(decode_s)) if decode_s else float("nan")
+
+
+def _generate_record(run: Run, ids: list[int], res: Any, text: str, warmup_s: float) -> dict[str, Any]:
+    """The fields every `generate --json` line has, whichever path produced `res`
+    (tpot_s: median seconds per token after the first, on both paths)."""
+    tpot_s = _median_s(res.decode_s)
+    return {
+        "model": run.model,
+        "checkpoint": str(run.checkpoint),
+        "tokenizer": run.tokenizer.name,
+        "prompt_tokens": len(ids),
+        "prompt_ids": ids,
+        "tokens": res.tokens,
+        "text": text,
+        "ttft_s": res.ttft_s,
+        "tpot_s": tpot_s if math.isfinite(tpot_s) else None,
+        "decode_s": res.decode_s,
+        "warmup_s": warmup_s,
+    }
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from hmoe_jax.model.generate import generate
 
@@ -227,17 +251,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     if args.json:
         record = {
-            "model": run.model,
-            "checkpoint": str(run.checkpoint),
-            "tokenizer": run.tokenizer.name,
-            "prompt_tokens": len(ids),
-            "prompt_ids": ids,
-            "tokens": res.tokens,
-            "text": text,
-            "ttft_s": res.ttft_s,
-            "tpot_s": tpot_s if math.isfinite(tpot_s) else None,
-            "decode_s": res.decode_s,
-            "warmup_s": warmup_s,
+            **_generate_record(run, ids, res, text, warmup_s),
             "temperature": temperature,
             "top_p": top_p,
             "seed": args.seed,
@@ -326,7 +340,7 @@ def cmd_generate_engine(args: argparse.Namespace, run: Run, ids: list[int]) -> i
         trace.write(args.trace)
     eng.close()
     text = run.tokenizer.decode(res.tokens)
-    tpot_s = float(sum(res.decode_s) / len(res.decode_s)) if res.decode_s else float("nan")
+    tpot_s = _median_s(res.decode_s)
     print(text)
     print(
         f"[{run.model}] schedule {res.schedule} ({args.schedule}) on {eng.placement.describe()}; prompt {len(ids)} "
@@ -335,17 +349,7 @@ def cmd_generate_engine(args: argparse.Namespace, run: Run, ids: list[int]) -> i
     )
     if args.json:
         record = {
-            "model": run.model,
-            "checkpoint": str(run.checkpoint),
-            "tokenizer": run.tokenizer.name,
-            "prompt_tokens": len(ids),
-            "prompt_ids": ids,
-            "tokens": res.tokens,
-            "text": text,
-            "ttft_s": res.ttft_s,
-            "tpot_s": tpot_s if math.isfinite(tpot_s) else None,
-            "decode_s": res.decode_s,
-            "warmup_s": warmup_s,
+            **_generate_record(run, ids, res, text, warmup_s),
             "temperature": 0.0,
             "top_p": args.top_p,
             "seed": args.seed,
