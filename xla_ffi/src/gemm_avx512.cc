@@ -8,7 +8,8 @@
 // NaN codes (0x7F/0xFF) decode to a bf16 quiet NaN (sign kept), so a NaN weight makes
 // its outputs NaN, as dequantize-then-dot does.
 // INT4: 64 nibbles (32 bytes) -> zero-extended words -> bf16(136 + q) by one logic op
-// per half (see below) -> vdpbf16ps, minus 136 * sum(x); group scale once per group.
+// per half (see below) -> vdpbf16ps into accumulators that start at -136 * sum(x);
+// group scale once per group (one FMA).
 //
 // Tiling: R output rows x MB activation rows per register tile (MB <= 4); larger M loops
 // over activation chunks inside one row tile, so the tile's weights are re-read from L1,
@@ -261,7 +262,6 @@ void int4_tile(const uint16_t* xp, int64_t ks, const float* xs, const Int4Matrix
                int64_t r0, float* y, int64_t ldy, int64_t n_end) {
   const __m512i low4 = _mm512_set1_epi16(0xF);
   const __m512i bias = _mm512_set1_epi16(0x4308);
-  const __m512 k136 = _mm512_set1_ps(136.0f);
   const int64_t ng = w.k / w.group, row_bytes = w.k / 2;
   const uint8_t* rows[R];
   const uint16_t* srow[R];
@@ -275,9 +275,14 @@ void int4_tile(const uint16_t* xp, int64_t ks, const float* xs, const Int4Matrix
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < MB; ++i) tot[r][i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < ng; ++g) {
+    // Each group's accumulators start at -136 * sum(x) (lane-wise, precomputed once per
+    // call), so the epilogue is one FMA per group and row, and the per-group cancellation
+    // of the bias stays inside the group.
     __m512 acc[R][MB];
-    for (int r = 0; r < R; ++r)
-      for (int i = 0; i < MB; ++i) acc[r][i] = _mm512_setzero_ps();
+    for (int i = 0; i < MB; ++i) {
+      const __m512 nx = _mm512_loadu_ps(xs + (i * ng + g) * 16);
+      for (int r = 0; r < R; ++r) acc[r][i] = nx;
+    }
     for (int64_t c = g * w.group; c < (g + 1) * w.group; c += 64) {
       __m512i xlo[MB], xhi[MB];
       for (int i = 0; i < MB; ++i) {
@@ -304,7 +309,7 @@ void int4_tile(const uint16_t* xp, int64_t ks, const float* xs, const Int4Matrix
     for (int r = 0; r < R; ++r) {
       const __m512 s = _mm512_set1_ps(scale_bf16(srow[r][g]));
       for (int i = 0; i < MB; ++i)
-        tot[r][i] = _mm512_fmadd_ps(_mm512_fnmadd_ps(_mm512_loadu_ps(xs + (i * ng + g) * 16), k136, acc[r][i]), s, tot[r][i]);
+        tot[r][i] = _mm512_fmadd_ps(acc[r][i], s, tot[r][i]);
     }
   }
   for (int r = 0; r < R; ++r)
@@ -312,7 +317,7 @@ void int4_tile(const uint16_t* xp, int64_t ks, const float* xs, const Int4Matrix
 }
 
 // Per-lane group sums of x (the 136 * sum(x) correction), computed once per call for
-// all activation rows: xs[i * ng + g] = lane-wise sum over group g of row i (f32).
+// all activation rows: xs[i * ng + g] = -136 * lane-wise sum over group g of row i (f32).
 const float* int4_group_sums(const uint16_t* xp, int64_t m, const Int4Matrix& w) {
   thread_local std::vector<float> xs;  // [m, ng, 16]
   const int64_t ng = w.k / w.group, ks = packed_x_stride(w.k);
@@ -323,7 +328,7 @@ const float* int4_group_sums(const uint16_t* xp, int64_t m, const Int4Matrix& w)
       __m512 a = _mm512_setzero_ps();
       for (int64_t c = g * w.group; c < (g + 1) * w.group; c += 32)
         a = dp(a, _mm512_loadu_si512(xp + i * ks + c), ones);
-      _mm512_storeu_ps(xs.data() + (i * ng + g) * 16, a);
+      _mm512_storeu_ps(xs.data() + (i * ng + g) * 16, _mm512_mul_ps(a, _mm512_set1_ps(-136.0f)));
     }
   return xs.data();
 }
