@@ -22,13 +22,35 @@ class ConfigError(ValueError):
 # Keys that change nothing at inference time (training knobs, packaging, HF bookkeeping).
 _IGNORED_KEYS = frozenset(
     {
-        "architectures", "auto_map", "transformers_version", "torch_dtype", "dtype",
-        "use_cache", "initializer_range", "aux_loss_alpha", "seq_aux", "ep_size",
-        "pretraining_tp", "attention_dropout", "output_hidden_states", "output_attentions",
-        "return_dict", "chunk_size_feed_forward", "is_encoder_decoder", "id2label",
-        "label2id", "problem_type", "output_router_logits", "_name_or_path", "pad_token_id",
-        "tokenizer_class", "num_nextn_predict_layers", "qk_head_dim", "head_dim",
-        "router_aux_loss_coef", "tie_word_embeddings",
+        "architectures",
+        "auto_map",
+        "transformers_version",
+        "torch_dtype",
+        "dtype",
+        "use_cache",
+        "initializer_range",
+        "aux_loss_alpha",
+        "seq_aux",
+        "ep_size",
+        "pretraining_tp",
+        "attention_dropout",
+        "output_hidden_states",
+        "output_attentions",
+        "return_dict",
+        "chunk_size_feed_forward",
+        "is_encoder_decoder",
+        "id2label",
+        "label2id",
+        "problem_type",
+        "output_router_logits",
+        "_name_or_path",
+        "pad_token_id",
+        "tokenizer_class",
+        "num_nextn_predict_layers",
+        "qk_head_dim",
+        "head_dim",
+        "router_aux_loss_coef",
+        "tie_word_embeddings",
     }
 )
 
@@ -45,8 +67,17 @@ _FIXED_KEYS = {
 _MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 _ROPE_TYPES = ("default", "yarn")
 _ROPE_KEYS = frozenset(
-    {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings",
-     "beta_fast", "beta_slow", "mscale", "mscale_all_dim"}
+    {
+        "rope_type",
+        "type",
+        "rope_theta",
+        "factor",
+        "original_max_position_embeddings",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+    }
 )
 
 
@@ -135,9 +166,7 @@ class ModelConfig:
     def to_hf_dict(self) -> dict[str, Any]:
         """The config.json HF transformers 5.x writes for this model (rope_parameters form)."""
         d: dict[str, Any] = {
-            f.name: getattr(self, f.name)
-            for f in dataclasses.fields(self)
-            if f.name not in ("rope", "quant")
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("rope", "quant")
         }
         # HF has one model class for both families; "kimi_k2" is not an HF model_type
         # (AutoConfig would refuse the file), so the HF view always says deepseek_v3.
@@ -149,8 +178,11 @@ class ModelConfig:
         rp: dict[str, Any] = {"rope_theta": r.theta, "rope_type": r.rope_type}
         if r.rope_type == "yarn":
             rp.update(
-                factor=r.factor, original_max_position_embeddings=r.original_max_position_embeddings,
-                beta_fast=r.beta_fast, beta_slow=r.beta_slow, mscale=r.mscale,
+                factor=r.factor,
+                original_max_position_embeddings=r.original_max_position_embeddings,
+                beta_fast=r.beta_fast,
+                beta_slow=r.beta_slow,
+                mscale=r.mscale,
                 mscale_all_dim=r.mscale_all_dim,
             )
         d["rope_parameters"] = rp
@@ -161,7 +193,9 @@ class ModelConfig:
         d["attention_bias"] = False
         if self.quant is not None:
             d["quantization_config"] = {
-                "activation_scheme": "dynamic", "fmt": self.quant.fmt, "quant_method": "fp8",
+                "activation_scheme": "dynamic",
+                "fmt": self.quant.fmt,
+                "quant_method": "fp8",
                 "weight_block_size": [self.quant.block_n, self.quant.block_k],
             }
         return d
@@ -212,7 +246,9 @@ def _parse_quant(q: dict[str, Any] | None, where: str) -> QuantConfig | None:
     q = dict(q)
     method = q.pop("quant_method", None)
     if method != "fp8":
-        raise ConfigError(f"{where}: quantization_config.quant_method {method!r} is not supported (expected 'fp8')")
+        raise ConfigError(
+            f"{where}: quantization_config.quant_method {method!r} is not supported (expected 'fp8')"
+        )
     fmt = q.pop("fmt", "e4m3")
     if fmt != "e4m3":
         raise ConfigError(f"{where}: quantization_config.fmt {fmt!r} is not supported (expected 'e4m3')")
@@ -229,10 +265,20 @@ def _parse_quant(q: dict[str, Any] | None, where: str) -> QuantConfig | None:
 
 
 _INT_KEYS = (
-    "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
-    "num_hidden_layers", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
-    "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "num_experts_per_tok",
-    "first_k_dense_replace", "max_position_embeddings",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "first_k_dense_replace",
+    "max_position_embeddings",
 )
 
 
@@ -241,7 +287,9 @@ def config_from_dict(raw: dict[str, Any], where: str = "config") -> ModelConfig:
     d = dict(raw)
     model_type = d.pop("model_type", "deepseek_v3")
     if model_type not in _MODEL_TYPES:
-        raise ConfigError(f"{where}: model_type {model_type!r} is not supported (expected one of {_MODEL_TYPES})")
+        raise ConfigError(
+            f"{where}: model_type {model_type!r} is not supported (expected one of {_MODEL_TYPES})"
+        )
     for key, allowed in _FIXED_KEYS.items():
         if key in d:
             v = d.pop(key)
@@ -281,7 +329,9 @@ def _check_consistent(cfg: ModelConfig, where: str) -> None:
         return ConfigError(f"{where}: {msg}")
 
     if cfg.num_key_value_heads != cfg.num_attention_heads:
-        raise bad(f"num_key_value_heads={cfg.num_key_value_heads} must equal num_attention_heads={cfg.num_attention_heads} for MLA")
+        raise bad(
+            f"num_key_value_heads={cfg.num_key_value_heads} must equal num_attention_heads={cfg.num_attention_heads} for MLA"
+        )
     if cfg.n_routed_experts % cfg.n_group:
         raise bad(f"n_routed_experts={cfg.n_routed_experts} is not divisible by n_group={cfg.n_group}")
     if not 1 <= cfg.topk_group <= cfg.n_group:
@@ -290,7 +340,9 @@ def _check_consistent(cfg: ModelConfig, where: str) -> None:
     if cfg.n_group > 1 and per_group < 2:
         raise bad(f"group-limited routing needs >= 2 experts per group, got {per_group}")
     if cfg.num_experts_per_tok > cfg.topk_group * per_group:
-        raise bad(f"num_experts_per_tok={cfg.num_experts_per_tok} exceeds the experts in topk_group={cfg.topk_group} groups ({cfg.topk_group * per_group})")
+        raise bad(
+            f"num_experts_per_tok={cfg.num_experts_per_tok} exceeds the experts in topk_group={cfg.topk_group} groups ({cfg.topk_group * per_group})"
+        )
     if cfg.qk_rope_head_dim % 2:
         raise bad(f"qk_rope_head_dim={cfg.qk_rope_head_dim} must be even")
     if not 0 <= cfg.first_k_dense_replace <= cfg.num_hidden_layers:

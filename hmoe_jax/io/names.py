@@ -82,7 +82,9 @@ def expected_tensors(cfg: ModelConfig) -> list[TensorSpec]:
         for j in range(e):
             specs += _ffn_specs(f"{p}.mlp.experts.{j}", cfg.moe_intermediate_size, d)
         if cfg.n_shared_experts:
-            specs += _ffn_specs(f"{p}.mlp.shared_experts", cfg.moe_intermediate_size * cfg.n_shared_experts, d)
+            specs += _ffn_specs(
+                f"{p}.mlp.shared_experts", cfg.moe_intermediate_size * cfg.n_shared_experts, d
+            )
     specs += [
         TensorSpec("model.norm.weight", (d,), False),
         TensorSpec("lm_head.weight", (v, d), False),
@@ -116,7 +118,9 @@ def _stack(ws: list[object]) -> object:
     return np.stack([np.asarray(w) for w in ws])
 
 
-def build_params(cfg: ModelConfig, get: Getter, stack: Callable[[list[object]], object] = _stack) -> ModelParams:
+def build_params(
+    cfg: ModelConfig, get: Getter, stack: Callable[[list[object]], object] = _stack
+) -> ModelParams:
     """Assemble ModelParams. `get(name)` returns the tensor (already validated against
     expected_tensors); `stack` combines one layer's per-expert tensors (a loader may pass
     one that writes into a preallocated aligned arena instead)."""
@@ -137,7 +141,11 @@ def build_params(cfg: ModelConfig, get: Getter, stack: Callable[[list[object]], 
         )
 
         def ffn(q: str) -> FFNParams:
-            return FFNParams(gate=get(f"{q}.gate_proj.weight"), up=get(f"{q}.up_proj.weight"), down=get(f"{q}.down_proj.weight"))
+            return FFNParams(
+                gate=get(f"{q}.gate_proj.weight"),
+                up=get(f"{q}.up_proj.weight"),
+                down=get(f"{q}.down_proj.weight"),
+            )
 
         if cfg.is_moe_layer(i):
             e = range(cfg.n_routed_experts)
