@@ -68,10 +68,8 @@ CASES = [(s, d, n) for s in schedule_names() for d in ("f32", "fp8") for n in (1
 @pytest.mark.parametrize("schedule,dtype,devices", CASES, ids=[f"{s}-{d}-{n}dev" for s, d, n in CASES])
 def test_schedule_matches_reference_rollout(schedule: str, dtype: str, devices: int):
     cls = schedule_class(schedule)
-    if cls.max_devices is not None and devices > cls.max_devices:
-        pytest.skip(
-            f"{schedule} uses {cls.max_devices} accelerator(s); the {devices}-device run is the same plan"
-        )
+    # A single-accelerator schedule still runs on an engine that holds 2 or 4 stand-ins:
+    # placement must pick its device correctly and leave the others alone.
     if devices < cls.min_devices:
         pytest.skip(f"{schedule} needs >= {cls.min_devices} accelerators")
     cfg, _, prompt, ref_tokens, ref_logits = model(dtype)
