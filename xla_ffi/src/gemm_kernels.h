@@ -110,12 +110,13 @@ uint64_t read_sum_portable(const uint8_t* p, int64_t nbytes);
 uint64_t read_sum_avx512(const uint8_t* p, int64_t nbytes);
 
 // ---- threads ----
-// Runs fn(task) for task in [0, n_tasks) on a persistent process-wide pool of
-// `num_threads` threads in all (the caller is one of them; 0 = all hardware threads).
+// Runs fn(task) for task in [0, n_tasks) on the process-wide ThreadPool (thread_pool.h,
+// shared with the MoE op) with `num_threads` threads in all, capped at the pool's size
+// (the caller is one of them; 0 = the whole pool).
 // The caller takes tasks too (work stealing through one atomic counter), so it never
 // waits on a task that has not started. Calls from several threads are serialised; a
 // call from inside a task runs its tasks inline on that thread (no deadlock).
 void parallel_for(int64_t n_tasks, int num_threads, const std::function<void(int64_t)>& fn);
-int hardware_threads();
+int hardware_threads();  // the pool's size (HMOE_NUM_THREADS or the hardware's threads)
 
 }  // namespace hmoe

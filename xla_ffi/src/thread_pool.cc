@@ -9,6 +9,21 @@
 #endif
 
 namespace hmoe {
+namespace {
+thread_local bool in_region_flag = false;
+
+// Runs fn(tid) with the in-region flag set, restoring it after (also on exceptions).
+void run_marked(const std::function<void(int)>& fn, int tid) {
+  struct Mark {
+    bool prev = in_region_flag;
+    Mark() { in_region_flag = true; }
+    ~Mark() { in_region_flag = prev; }
+  } mark;
+  fn(tid);
+}
+}  // namespace
+
+bool ThreadPool::in_region() { return in_region_flag; }
 
 void cpu_relax(uint32_t& spins) {
   // ~2000 pauses is a few microseconds; past that the awaited thread is probably not on a
@@ -69,15 +84,15 @@ void ThreadPool::worker_loop(int tid) {
     // first, then waits for active_ == 0, so one of the two sees the other).
     active_.fetch_add(1);
     seen = generation_.load();
-    if (!closed_.load() && tid < region_threads_) (*fn_)(tid);
+    if (!closed_.load() && tid < region_threads_) run_marked(*fn_, tid);
     active_.fetch_sub(1);
   }
 }
 
 void ThreadPool::run(int n_threads, const std::function<void(int)>& fn) {
   const int n = std::min(num_threads(), std::max(1, n_threads));
-  if (n == 1) {
-    fn(0);
+  if (n == 1 || in_region_flag) {
+    run_marked(fn, 0);
     return;
   }
   std::lock_guard<std::mutex> region(run_mu_);
@@ -89,7 +104,7 @@ void ThreadPool::run(int n_threads, const std::function<void(int)>& fn) {
     std::lock_guard<std::mutex> lk(sleep_mu_);
     sleep_cv_.notify_all();
   }
-  fn(0);
+  run_marked(fn, 0);
   closed_.store(true);
   uint32_t spins = 0;
   while (active_.load() != 0) cpu_relax(spins);

@@ -1,4 +1,5 @@
-// Our persistent CPU thread pool (no OpenMP: it stalls badly when a neighbour holds a core,
+// Our one persistent CPU thread pool, shared by the GEMM/GEMV calls (parallel_for,
+// gemm_pool.cc) and the MoE op: two pools would each spin for the other's cores (no OpenMP: it stalls badly when a neighbour holds a core,
 // shared/NOTES.md). One parallel region at a time: `run(n, fn)` calls fn(tid) on n threads,
 // tid 0 being the caller itself. Workers spin for a short while after each region (decode
 // calls arrive back to back, a futex wake costs tens of microseconds) and then sleep.
@@ -33,7 +34,12 @@ class ThreadPool {
   // the calling thread. fn must take its work from shared atomic counters (see above): a
   // thread may join after all work is gone, or (if it slept) not at all. Regions from
   // different callers are serialised.
+  // Called from inside a region (a task that itself calls run), fn(0) runs inline on the
+  // calling thread: the other threads are busy with the outer region.
   void run(int n_threads, const std::function<void(int tid)>& fn);
+
+  // True on a thread that is executing a region's fn (caller or worker).
+  static bool in_region();
 
   // The process-wide pool, sized by HMOE_NUM_THREADS or std::thread::hardware_concurrency.
   static ThreadPool& global();
