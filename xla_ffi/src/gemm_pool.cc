@@ -7,7 +7,6 @@
 // never waits for a task that no one has started.
 #include <algorithm>
 #include <atomic>
-#include <thread>
 
 #include "gemm_kernels.h"
 #include "thread_pool.h"
@@ -19,10 +18,8 @@ int hardware_threads() { return ThreadPool::global().num_threads(); }
 void parallel_for(int64_t n_tasks, int num_threads, const std::function<void(int64_t)>& fn) {
   if (n_tasks <= 0) return;
   const int threads = num_threads <= 0 ? hardware_threads() : num_threads;
-  if (threads == 1 || n_tasks == 1 || ThreadPool::in_region()) {
-    for (int64_t t = 0; t < n_tasks; ++t) fn(t);
-    return;
-  }
+  // One thread, one task, or a call from inside a region: run() itself runs fn(0) inline,
+  // and fn(0) takes every task from the counter.
   std::atomic<int64_t> next{0};
   ThreadPool::global().run(static_cast<int>(std::min<int64_t>(threads, n_tasks)), [&](int) {
     for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < n_tasks;) fn(t);

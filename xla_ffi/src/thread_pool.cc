@@ -23,8 +23,6 @@ void run_marked(const std::function<void(int)>& fn, int tid) {
 }
 }  // namespace
 
-bool ThreadPool::in_region() { return in_region_flag; }
-
 void cpu_relax(uint32_t& spins) {
   // ~2000 pauses is a few microseconds; past that the awaited thread is probably not on a
   // core, so give ours away.

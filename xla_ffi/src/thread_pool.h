@@ -1,8 +1,9 @@
 // Our one persistent CPU thread pool, shared by the GEMM/GEMV calls (parallel_for,
-// gemm_pool.cc) and the MoE op: two pools would each spin for the other's cores (no OpenMP: it stalls badly when a neighbour holds a core,
-// shared/NOTES.md). One parallel region at a time: `run(n, fn)` calls fn(tid) on n threads,
-// tid 0 being the caller itself. Workers spin for a short while after each region (decode
-// calls arrive back to back, a futex wake costs tens of microseconds) and then sleep.
+// gemm_pool.cc) and the MoE op: two pools would each spin for the other's cores. No OpenMP:
+// it stalls badly when a neighbour holds a core (shared/NOTES.md). One parallel region at a
+// time: `run(n, fn)` calls fn(tid) on n threads, tid 0 being the caller itself. Workers
+// spin for a short while after each region (decode calls arrive back to back, a futex wake
+// costs tens of microseconds) and then sleep.
 //
 // The pool never makes a thread wait for a region to *start* on another thread: callers
 // hand out work through their own atomic task counters, so a worker that wakes late finds
@@ -37,9 +38,6 @@ class ThreadPool {
   // Called from inside a region (a task that itself calls run), fn(0) runs inline on the
   // calling thread: the other threads are busy with the outer region.
   void run(int n_threads, const std::function<void(int tid)>& fn);
-
-  // True on a thread that is executing a region's fn (caller or worker).
-  static bool in_region();
 
   // The process-wide pool, sized by HMOE_NUM_THREADS or std::thread::hardware_concurrency.
   static ThreadPool& global();
