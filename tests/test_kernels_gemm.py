@@ -105,7 +105,11 @@ def test_fp8_bf16_input_and_leading_dims(isa):
 
 @pytest.mark.parametrize("isa", ISAS, ids=lambda i: ISA_IDS[i])
 @pytest.mark.parametrize("m", M_VALUES)
-@pytest.mark.parametrize("n,k,group", [(257, 384, 64), (130, 256, 128)], ids=["g64-odd-n", "g128"])
+@pytest.mark.parametrize(
+    "n,k,group",
+    [(257, 384, 64), (130, 256, 128), (65, 448, 64), (40, 384, 192)],
+    ids=["g64-odd-n", "g128", "g64-tail-chunk", "g192-straddles-blocks"],
+)
 def test_int4_matmul_matches_ref(isa, m, n, k, group):
     rng = np.random.default_rng(2000 * m + n)
     w = quantize_int4_np(rng.standard_normal((n, k)).astype(np.float32), group=group)
@@ -121,13 +125,14 @@ def test_int4_matmul_matches_ref(isa, m, n, k, group):
 
 
 @pytest.mark.parametrize("isa", ISAS, ids=lambda i: ISA_IDS[i])
-def test_int4_all_nibbles_every_position(isa):
-    """All 16 int4 values at every position of a 64-chunk (both nibble halves), exactly."""
+@pytest.mark.parametrize("k", [128, 192], ids=["block", "block-and-tail-chunk"])
+def test_int4_all_nibbles_every_position(isa, k):
+    """All 16 int4 values at every position of a 128-block (all four nibbles of a 16-bit
+    word, the AVX-512 kernel's unit) and of a trailing 64-chunk, exactly."""
     from hmoe_jax.quant.int4 import Int4Tensor, pack_nibbles
 
-    k = 128
     q = ((np.arange(16)[:, None] + np.arange(k)[None, :]) % 16) - 8  # [16, k] in [-8, 7]
-    t = Int4Tensor(q=jnp.asarray(pack_nibbles(q)), scale=jnp.ones((16, 2), jnp.bfloat16), group=64)
+    t = Int4Tensor(q=jnp.asarray(pack_nibbles(q)), scale=jnp.ones((16, k // 64), jnp.bfloat16), group=64)
     y = np.asarray(gemm.int4_matmul(jnp.eye(k, dtype=jnp.float32), t, max_isa=isa))
     np.testing.assert_array_equal(y, q.T.astype(np.float32))
 

@@ -106,7 +106,7 @@ void run_moe(const MoePlan& plan, const MoeLayerWeights& w, const float* x_f32,
     expert_gemv(w.matrix(1, e), isa, x_pair + r0 * xs, rows, task.n0, task.n1, up, inter);
     for (int64_t r = 0; r < rows; ++r)
       silu_mul_pack(isa, w.format, gp + r * inter + task.n0, up + r * inter + task.n0, task.n0,
-                    task.n1, h + (r0 + r) * hs);
+                    task.n1, inter, h + (r0 + r) * hs);
     gu_done[a].fetch_add(1, std::memory_order_release);
     gu_total.fetch_add(1, std::memory_order_release);
   };

@@ -45,17 +45,21 @@ void expert_gemv(const ExpertMatrix& w, Isa isa, const uint16_t* xp, int64_t m, 
 }
 
 void silu_mul_pack(Isa isa, WeightFormat fmt, const float* g, const float* u, int64_t c0,
-                   int64_t c1, uint16_t* hp) {
-  constexpr int64_t kChunk = 64;
-  uint16_t h[kChunk];
-  for (int64_t c = c0; c < c1; c += kChunk) {
-    const int64_t n = std::min(kChunk, c1 - c);
-    for (int64_t i = 0; i < n; ++i) {
-      const float gv = g[c - c0 + i];
-      h[i] = f32_to_bf16_rne(gv / (1.0f + std::exp(-gv)) * u[c - c0 + i]);
+                   int64_t c1, int64_t k, uint16_t* hp) {
+  // Scatter through the packed layout (a permutation within 64-chunks or 128-blocks, so a
+  // chunk-aligned slice owns its positions): walk the positions of the slice's chunks and
+  // fill those whose source column is in [c0, c1); positions past k are zero padding.
+  const int64_t p0 = c0 / 64 * 64, p1 = std::min(packed_x_stride(k), (c1 + 63) / 64 * 64);
+  const int64_t block = fmt == WeightFormat::kInt4 ? 128 : 64;
+  const int64_t q0 = p0 / block * block, q1 = std::min(packed_x_stride(k), (p1 + block - 1) / block * block);
+  for (int64_t p = q0; p < q1; ++p) {
+    const int64_t c = packed_x_source(isa, fmt, k, p);
+    if (c >= k) {
+      if (p >= p0 && p < p1) hp[p] = 0;
+    } else if (c >= c0 && c < c1) {
+      const float gv = g[c - c0];
+      hp[p] = f32_to_bf16_rne(gv / (1.0f + std::exp(-gv)) * u[c - c0]);
     }
-    // One 64-chunk at a time: a partial last chunk gets the kernels' zero padding.
-    pack_x_bf16(isa, fmt, h, 1, n, n, hp + c);
   }
 }
 

@@ -33,11 +33,13 @@ std::string check_expert_matrix(const ExpertMatrix& w);
 void expert_gemv(const ExpertMatrix& w, Isa isa, const uint16_t* xp, int64_t m, int64_t n0,
                  int64_t n1, float* y, int64_t ldy);
 
-// Packed row [c0, c1) of the down projection's input: hp[..] = pack(bf16(silu(g[c]) * u[c]))
-// for c in [c0, c1). The packed layout permutes within 64-element chunks only, so a slice
-// with c0 % 64 == 0 (and c1 % 64 == 0 or c1 == the row length) packs on its own; hp points
-// at the packed row's start. g, u: f32 values of columns [c0, c1).
+// Packed row [c0, c1) of the down projection's input (row length k): the positions of
+// hp that hold columns c in [c0, c1) get pack(bf16(silu(g[c]) * u[c])). The packed layout
+// permutes within 64-chunks (FP8) or 128-blocks (AVX-512 INT4) only, so slices with
+// c0 % 64 == 0 (and c1 % 64 == 0 or c1 == k) write disjoint positions and together fill
+// the row; zero padding past k is written by the slice that ends at k. hp points at the
+// packed row's start. g, u: f32 values of columns [c0, c1).
 void silu_mul_pack(Isa isa, WeightFormat fmt, const float* g, const float* u, int64_t c0,
-                   int64_t c1, uint16_t* hp);
+                   int64_t c1, int64_t k, uint16_t* hp);
 
 }  // namespace hmoe
