@@ -261,7 +261,7 @@ void fp8_panel_rows(const uint16_t* xp, int64_t m, const Fp8Matrix& w, int64_t n
 // words of 4 nibbles each: word i holds bytes 2i and 2i+1, i.e. (format of quant/int4.py)
 // chunk elements 2i, 32+2i, 2i+1, 33+2i in nibbles 0-3 (words 16-31: the second chunk).
 // (w >> 4t) & 0xF for t = 0..3 gives four bf16 vectors from one load with 3 shifts and 4
-// logic ops, no zero-extension shuffle (pack_x permutes x to match: int4_avx512_source).
+// logic ops, no zero-extension shuffle (pack_x permutes x to match: packed_x_source).
 // Measured on one core with L2-resident weights (2026-12-03, side by side): 44-45 G
 // weights/s at K = 7168 against 32 for decoding each 32-byte half through vpmovzxbw
 // (K = 2048: 40 vs 31). At 2 threads from DRAM both run at ~0.7 of the read probe, so
@@ -272,7 +272,7 @@ void fp8_panel_rows(const uint16_t* xp, int64_t m, const Fp8Matrix& w, int64_t n
 
 // vpshufb control: every dword becomes bf16 word 0 (lanes 0-7) or word 1 (lanes 8-15) of
 // the broadcast scale pair, shifted into the high half: the f32 value of that bf16.
-inline __m512i scale_pair_control() {
+__m512i make_scale_pair_control() {
   alignas(64) int8_t c[64];
   for (int d = 0; d < 16; ++d) {
     const int8_t b = d < 8 ? 0 : 2;
@@ -283,6 +283,14 @@ inline __m512i scale_pair_control() {
   return _mm512_load_si512(c);
 }
 
+const __m512i& scale_pair_control() {  // built once, as fp8_tables()
+  static const __m512i c = make_scale_pair_control();
+  return c;
+}
+
+// Blocks of int4_block_sums per activation row: whole 128-blocks plus a trailing 64-chunk.
+inline int64_t int4_sum_blocks(int64_t k) { return (k + 127) / 128; }
+
 template <int R, int MB>
 void int4_tile(const uint16_t* xp, int64_t ks, const float* xs, const Int4Matrix& w,
                int64_t r0, float* y, int64_t ldy, int64_t n_end) {
@@ -292,7 +300,7 @@ void int4_tile(const uint16_t* xp, int64_t ks, const float* xs, const Int4Matrix
   const __m512i bias = _mm512_set1_epi16(0x4308);
   const __m512i pair_ctl = scale_pair_control();
   const int64_t ng = w.k / w.group, row_bytes = w.k / 2;
-  const int64_t nb = w.k / 128, nxs = nb + (w.k % 128 ? 1 : 0);
+  const int64_t nb = w.k / 128, nxs = int4_sum_blocks(w.k);
   const uint8_t* rows[R];
   const uint16_t* srow[R];
   for (int r = 0; r < R; ++r) {
@@ -333,13 +341,7 @@ void int4_tile(const uint16_t* xp, int64_t ks, const float* xs, const Int4Matrix
         acc[r][i][0] = dp(acc[r][i][0], w2, xv[i][2]);
         acc[r][i][S - 1] = dp(acc[r][i][S - 1], w3, xv[i][3]);
       }
-      // the two bf16 scales as one dword: adjacent (one load) when the group is 64
-      uint32_t pair;
-      if (g1 == g0 + 1) {
-        std::memcpy(&pair, srow[r] + g0, 4);
-      } else {
-        pair = srow[r][g0] | (static_cast<uint32_t>(srow[r][g1]) << 16);
-      }
+      const uint32_t pair = srow[r][g0] | (static_cast<uint32_t>(srow[r][g1]) << 16);
       const __m512 s =
           _mm512_castsi512_ps(_mm512_shuffle_epi8(_mm512_set1_epi32(static_cast<int>(pair)), pair_ctl));
       for (int i = 0; i < MB; ++i) {
@@ -350,11 +352,10 @@ void int4_tile(const uint16_t* xp, int64_t ks, const float* xs, const Int4Matrix
   }
   if (nb < nxs) {  // trailing 64-chunk, natural order: low nibbles -> elements 0-31
     const int64_t c = 128 * nb;
-    const __m512i words_lo4 = low4;
     for (int r = 0; r < R; ++r) {
       const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[r] + c / 2));
       const __m512i words = _mm512_cvtepu8_epi16(bytes);
-      const __m512i wlo = _mm512_ternarylogic_epi32(words, words_lo4, bias, 0x6A);
+      const __m512i wlo = _mm512_ternarylogic_epi32(words, low4, bias, 0x6A);
       const __m512i whi = _mm512_xor_si512(_mm512_srli_epi16(words, 4), bias);
       const __m512 s = _mm512_set1_ps(scale_bf16(srow[r][c / w.group]));
       for (int i = 0; i < MB; ++i) {
@@ -374,7 +375,7 @@ void int4_tile(const uint16_t* xp, int64_t ks, const float* xs, const Int4Matrix
 // elements that lane of block b's accumulator multiplies (f32), nxs = blocks incl. a tail.
 const float* int4_block_sums(const uint16_t* xp, int64_t m, const Int4Matrix& w) {
   thread_local std::vector<float> xs;  // [m, nxs, 16]
-  const int64_t nb = w.k / 128, nxs = nb + (w.k % 128 ? 1 : 0), ks = packed_x_stride(w.k);
+  const int64_t nxs = int4_sum_blocks(w.k), ks = packed_x_stride(w.k);
   if (static_cast<int64_t>(xs.size()) < m * nxs * 16) xs.resize(m * nxs * 16);
   const __m512i ones = _mm512_set1_epi16(0x3F80);  // bf16 1.0
   for (int64_t i = 0; i < m; ++i)
@@ -430,7 +431,7 @@ void fp8_gemm_rows_avx512(const uint16_t* xp, int64_t m, const Fp8Matrix& w, int
 void int4_gemm_rows_avx512(const uint16_t* xp, int64_t m, const Int4Matrix& w, int64_t n0,
                            int64_t n1, float* y, int64_t ldy) {
   // Same tiling as gemm_rows, plus the per-call group sums of x.
-  const int64_t ks = packed_x_stride(w.k), nxs = w.k / 128 + (w.k % 128 ? 1 : 0);
+  const int64_t ks = packed_x_stride(w.k), nxs = int4_sum_blocks(w.k);
   const float* xs = int4_block_sums(xp, m, w);
   const int R = m <= 2 ? 4 : 2;
   int64_t r = n0;

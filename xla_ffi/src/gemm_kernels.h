@@ -66,7 +66,8 @@ int64_t packed_x_stride(int64_t k);
 
 // Column of x that packed position p (in [0, packed_x_stride(k))) holds for (isa, fmt);
 // >= k for zero padding. A bijection within each 64-chunk (FP8) or 128-block (INT4).
-int64_t packed_x_source(Isa isa, WeightFormat fmt, int64_t k, int64_t p);
+// `resolved` is an isa as returned by gemm_isa: callers resolve once, this runs per element.
+int64_t packed_x_source(Isa resolved, WeightFormat fmt, int64_t k, int64_t p);
 
 // Round x [m, k] (row stride ldx elements) to bf16 and lay it out for (isa, fmt) in
 // xp [m, packed_x_stride(k)]. bf16 input (raw bits) is copied/permuted without rounding.

@@ -52,15 +52,6 @@ inline int64_t avx512_int4_source(int64_t p) {
   return 64 * (i / 16) + 32 * (t & 1) + 2 * (i % 16) + (t >> 1);
 }
 
-// packed_x_source for an already resolved isa (gemm_isa): pack_x calls it per element.
-int64_t source_of(Isa resolved, WeightFormat fmt, int64_t k, int64_t p) {
-  if (resolved != Isa::kAvx512) return p;
-  if (fmt == WeightFormat::kFp8) return (p / 64) * 64 + avx512_fp8_source(p % 64);
-  // INT4: whole 128-blocks permuted, a trailing 64-chunk (k % 128 == 64) in natural order
-  if ((p / 128 + 1) * 128 > k) return p;
-  return (p / 128) * 128 + avx512_int4_source(p % 128);
-}
-
 void pack_x(Isa isa, WeightFormat fmt, const float* xf, const uint16_t* xb, int64_t m,
             int64_t ldx, int64_t k, uint16_t* xp) {
   const int64_t ks = packed_x_stride(k);
@@ -68,7 +59,7 @@ void pack_x(Isa isa, WeightFormat fmt, const float* xf, const uint16_t* xb, int6
   for (int64_t i = 0; i < m; ++i) {
     uint16_t* out = xp + i * ks;
     for (int64_t p = 0; p < ks; ++p) {
-      const int64_t src = source_of(resolved, fmt, k, p);
+      const int64_t src = packed_x_source(resolved, fmt, k, p);
       uint16_t v = 0;  // padding to a whole 64-chunk is zero
       if (src < k) v = xf ? f32_to_bf16_rne(xf[i * ldx + src]) : xb[i * ldx + src];
       out[p] = v;
@@ -78,8 +69,12 @@ void pack_x(Isa isa, WeightFormat fmt, const float* xf, const uint16_t* xb, int6
 
 }  // namespace
 
-int64_t packed_x_source(Isa isa, WeightFormat fmt, int64_t k, int64_t p) {
-  return source_of(gemm_isa(isa), fmt, k, p);
+int64_t packed_x_source(Isa resolved, WeightFormat fmt, int64_t k, int64_t p) {
+  if (resolved != Isa::kAvx512) return p;
+  if (fmt == WeightFormat::kFp8) return (p / 64) * 64 + avx512_fp8_source(p % 64);
+  // INT4: whole 128-blocks permuted, a trailing 64-chunk (k % 128 == 64) in natural order
+  if ((p / 128 + 1) * 128 > k) return p;
+  return (p / 128) * 128 + avx512_int4_source(p % 128);
 }
 
 float fp8_e4m3_to_f32(uint8_t code) { return fp8_table().v[code]; }

@@ -46,16 +46,18 @@ void expert_gemv(const ExpertMatrix& w, Isa isa, const uint16_t* xp, int64_t m, 
 
 void silu_mul_pack(Isa isa, WeightFormat fmt, const float* g, const float* u, int64_t c0,
                    int64_t c1, int64_t k, uint16_t* hp) {
-  // Scatter through the packed layout (a permutation within 64-chunks or 128-blocks, so a
-  // chunk-aligned slice owns its positions): walk the positions of the slice's chunks and
-  // fill those whose source column is in [c0, c1); positions past k are zero padding.
-  const int64_t p0 = c0 / 64 * 64, p1 = std::min(packed_x_stride(k), (c1 + 63) / 64 * 64);
+  // Scatter through the packed layout: walk the positions of the blocks that the layout
+  // permutes within (packed_x_source: 64-chunks, 128-blocks for INT4) and that hold
+  // [c0, c1), and fill those whose column is in [c0, c1). Positions past k (zero padding)
+  // exist only in FP8's last 64-chunk, which the slice ending at k alone walks.
+  const Isa resolved = gemm_isa(isa);
   const int64_t block = fmt == WeightFormat::kInt4 ? 128 : 64;
-  const int64_t q0 = p0 / block * block, q1 = std::min(packed_x_stride(k), (p1 + block - 1) / block * block);
-  for (int64_t p = q0; p < q1; ++p) {
-    const int64_t c = packed_x_source(isa, fmt, k, p);
+  const int64_t p0 = c0 / block * block;
+  const int64_t p1 = std::min(packed_x_stride(k), (c1 + block - 1) / block * block);
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t c = packed_x_source(resolved, fmt, k, p);
     if (c >= k) {
-      if (p >= p0 && p < p1) hp[p] = 0;
+      hp[p] = 0;
     } else if (c >= c0 && c < c1) {
       const float gv = g[c - c0];
       hp[p] = f32_to_bf16_rne(gv / (1.0f + std::exp(-gv)) * u[c - c0]);
