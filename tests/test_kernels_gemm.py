@@ -79,6 +79,39 @@ def test_fp8_decode_all_codes_vs_ml_dtypes(isa):
 
 
 @pytest.mark.parametrize("isa", ISAS, ids=lambda i: ISA_IDS[i])
+@pytest.mark.parametrize("k", [200, 448], ids=["partial-chunk", "chunks"])
+def test_activation_rounding_is_bit_exact(isa, k):
+    """x -> bf16 (round to nearest even, on the packing path of each ISA, SIMD on AVX-512)
+    against ml_dtypes, through W = identity (code 1.0, scale 1): y[j] = bf16(x[j]) exactly,
+    every column position of the packed layout. Values include exact ties (both
+    parities), near-ties and a carry into the exponent. bf16 subnormals are left out:
+    vdpbf16ps treats them as zero (its ISA definition), the scalar paths do not."""
+    rng = np.random.default_rng(k)
+    base = rng.standard_normal(k).astype(np.float32) * np.float32(2.0) ** rng.integers(-20, 20, k)
+    u = base.view(np.uint32) & np.uint32(0xFFFF0000)
+    special = np.concatenate(
+        [
+            u | np.uint32(0x8000),  # exact ties: round to even
+            u | np.uint32(0x7FFF),  # just below a tie
+            u | np.uint32(0x8001),  # just above
+            np.array([0x3F7FFFFF, 0xBF7FFF80, 0x7F7F8000], np.uint32),  # carry, tie-up, huge
+        ]
+    ).view(np.float32)
+    x = np.resize(special, (3, k))
+    x[1] = np.roll(x[1], 1)
+    x[2] = np.roll(x[2], 7)
+    w = np.zeros((k, k), np.uint8)
+    w[np.arange(k), np.arange(k)] = 0x38  # e4m3 1.0
+    t = Fp8Tensor(w=jnp.asarray(w.view(FP8_DTYPE)), scale_inv=jnp.ones((-(-k // 128),) * 2, jnp.float32))
+    y = np.asarray(gemm.fp8_matmul(jnp.asarray(x), t, max_isa=isa))
+    np.testing.assert_array_equal(y, x.astype(ml_dtypes.bfloat16).astype(np.float32))
+    # NaN in x: every output of that row is NaN (NaN * 0), the other rows untouched
+    x[1, k // 3] = np.nan
+    y = np.asarray(gemm.fp8_matmul(jnp.asarray(x), t, max_isa=isa))
+    assert np.isnan(y[1]).all() and not np.isnan(y[[0, 2]]).any()
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: ISA_IDS[i])
 @pytest.mark.parametrize("m", M_VALUES)
 @pytest.mark.parametrize("n,k", [(300, 448), (257, 200)], ids=["partial-blocks", "odd-n-partial-chunk"])
 def test_fp8_matmul_matches_ref(isa, m, n, k):

@@ -420,7 +420,93 @@ void gemm_rows(const uint16_t* xp, int64_t m, const Matrix& w, int64_t n0, int64
       rows1(xp + i0 * ks, ks, std::min<int64_t>(4, m - i0), w, r, y + i0 * ldy, ldy, n1);
 }
 
+// ---- activation packing (pack_x_f32/bf16 for the AVX-512 layouts) ----
+// The scalar loop of gemm_portable.cc costs ~3.5 ns per element (25 us for one K = 7168
+// row, measured inside the FFI handler: 7% of a 2048x7168 FP8 GEMV), serial on the
+// caller while the pool waits. Here: 16 f32 -> bf16 per vector op, the layout's
+// permutation by vpermt2w. Bit-identical to the scalar path (f32_to_bf16_rne: round to
+// nearest even, NaN quieted with its sign and payload top kept, subnormals kept, not
+// flushed as vcvtneps2bf16 would).
+
+inline __m256i bf16_rne16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i hi = _mm512_srli_epi32(u, 16);
+  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(hi, _mm512_set1_epi32(1)),
+                                        _mm512_set1_epi32(0x7FFF));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_or_epi32(r, nan, hi, _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+// 32 consecutive bf16 of row x (f32 or bf16 bits) from column c; columns >= k are zero.
+inline __m512i load_bf16x32(const float* xf, const uint16_t* xb, int64_t c, int64_t k) {
+  const int64_t len = std::max<int64_t>(0, std::min<int64_t>(32, k - c));
+  if (xb) return _mm512_maskz_loadu_epi16(len == 32 ? ~0u : ((1u << len) - 1), xb + c);
+  const __mmask16 m0 = len >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << len) - 1);
+  const __mmask16 m1 =
+      len >= 32 ? 0xFFFF : len <= 16 ? 0 : static_cast<__mmask16>((1u << (len - 16)) - 1);
+  const __m256i lo = bf16_rne16(_mm512_maskz_loadu_ps(m0, xf + c));
+  const __m256i hi = bf16_rne16(_mm512_maskz_loadu_ps(m1, xf + c + 16));
+  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+struct PackIdx {
+  __m512i fp8_a, fp8_b, int4_even, int4_odd;
+};
+
+PackIdx make_pack_idx() {
+  // vpermt2w indices into (table a = words 0-31, table b = words 32-63), built from the
+  // same formulas as packed_x_source (gemm_portable.cc), which tests check elementwise.
+  alignas(64) uint16_t a[32], b[32], e[32], o[32];
+  for (int i = 0; i < 32; ++i) {
+    a[i] = static_cast<uint16_t>(16 * (i / 8) + i % 8);  // FP8 vector A: {0-7, 16-23, ...}
+    b[i] = static_cast<uint16_t>(a[i] + 8);               // FP8 vector B: the rest
+    const int src = (i < 16 ? 0 : 32) + 2 * (i % 16);     // INT4: chunk i / 16, word i % 16
+    e[i] = static_cast<uint16_t>(src);                    // even elements (nibbles 0 and 1)
+    o[i] = static_cast<uint16_t>(src + 1);                // odd elements (nibbles 2 and 3)
+  }
+  return {_mm512_load_si512(a), _mm512_load_si512(b), _mm512_load_si512(e), _mm512_load_si512(o)};
+}
+
+const PackIdx& pack_idx() {
+  static const PackIdx t = make_pack_idx();
+  return t;
+}
+
 }  // namespace
+
+void pack_x_avx512(WeightFormat fmt, const float* xf, const uint16_t* xb, int64_t m,
+                   int64_t ldx, int64_t k, uint16_t* xp) {
+  const PackIdx& t = pack_idx();
+  const int64_t ks = packed_x_stride(k);
+  for (int64_t i = 0; i < m; ++i) {
+    const float* rf = xf ? xf + i * ldx : nullptr;
+    const uint16_t* rb = xb ? xb + i * ldx : nullptr;
+    uint16_t* out = xp + i * ks;
+    int64_t c = 0;
+    if (fmt == WeightFormat::kInt4) {
+      // whole 128-blocks: vector t holds nibble t of every word (avx512_int4_source):
+      // t = 0, 1 the even elements of the block's two chunks' first / second halves, t = 2, 3
+      // the odd ones. A trailing 64-chunk stays in natural order (the loop below).
+      for (; c + 128 <= k; c += 128) {
+        const __m512i z0 = load_bf16x32(rf, rb, c, k), z1 = load_bf16x32(rf, rb, c + 32, k);
+        const __m512i z2 = load_bf16x32(rf, rb, c + 64, k), z3 = load_bf16x32(rf, rb, c + 96, k);
+        _mm512_storeu_si512(out + c, _mm512_permutex2var_epi16(z0, t.int4_even, z2));
+        _mm512_storeu_si512(out + c + 32, _mm512_permutex2var_epi16(z1, t.int4_even, z3));
+        _mm512_storeu_si512(out + c + 64, _mm512_permutex2var_epi16(z0, t.int4_odd, z2));
+        _mm512_storeu_si512(out + c + 96, _mm512_permutex2var_epi16(z1, t.int4_odd, z3));
+      }
+      for (; c < ks; c += 32) _mm512_storeu_si512(out + c, load_bf16x32(rf, rb, c, k));
+      continue;
+    }
+    for (; c < ks; c += 64) {  // FP8: unpacklo/hi_epi8 order within each 64-chunk
+      const __m512i z0 = load_bf16x32(rf, rb, c, k), z1 = load_bf16x32(rf, rb, c + 32, k);
+      _mm512_storeu_si512(out + c, _mm512_permutex2var_epi16(z0, t.fp8_a, z1));
+      _mm512_storeu_si512(out + c + 32, _mm512_permutex2var_epi16(z0, t.fp8_b, z1));
+    }
+  }
+}
 
 void fp8_gemm_rows_avx512(const uint16_t* xp, int64_t m, const Fp8Matrix& w, int64_t n0,
                           int64_t n1, float* y, int64_t ldy) {

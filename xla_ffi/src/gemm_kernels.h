@@ -106,6 +106,9 @@ void int4_gemm_rows_avx2(const uint16_t* xp, int64_t m, const Int4Matrix& w, int
                          int64_t n1, float* y, int64_t ldy);
 void int4_gemm_rows_avx512(const uint16_t* xp, int64_t m, const Int4Matrix& w, int64_t n0,
                            int64_t n1, float* y, int64_t ldy);
+// pack_x_f32 / pack_x_bf16 for the AVX-512 layouts (exactly one of xf, xb non-null).
+void pack_x_avx512(WeightFormat fmt, const float* xf, const uint16_t* xb, int64_t m,
+                   int64_t ldx, int64_t k, uint16_t* xp);
 // AVX-512 FP8 with m >= this uses the decoded-panel kernel (default 12); for benchmarks.
 void set_fp8_panel_min_m(int m);
 // Sum (mod 2^64) of a byte buffer's little-endian 64-bit words, plus its last < 8 bytes

@@ -56,6 +56,7 @@ void pack_x(Isa isa, WeightFormat fmt, const float* xf, const uint16_t* xb, int6
             int64_t ldx, int64_t k, uint16_t* xp) {
   const int64_t ks = packed_x_stride(k);
   const Isa resolved = gemm_isa(isa);
+  if (resolved == Isa::kAvx512) return pack_x_avx512(fmt, xf, xb, m, ldx, k, xp);
   for (int64_t i = 0; i < m; ++i) {
     uint16_t* out = xp + i * ks;
     for (int64_t p = 0; p < ks; ++p) {
