@@ -13,7 +13,7 @@
 //
 // Tiling: R output rows x MB activation rows per register tile (MB <= 4); larger M loops
 // over activation chunks inside one row tile, so the tile's weights are re-read from L1,
-// not DRAM. Software prefetch pulls the next row tile's lines into L2 (_MM_HINT_T1)
+// not DRAM. Software prefetch pulls a row tile >= 8 KiB ahead into L2 (_MM_HINT_T1)
 // while this one runs: measured on one core (thread CPU time, 1 GiB sets), T1 gives FP8
 // 0.9-1.0 of the read probe's bandwidth, T0 (into L1) 0.6-0.7, none 0.65.
 // Everything here is in an anonymous namespace: this file is compiled with AVX-512
@@ -85,8 +85,16 @@ inline float hsum(__m512 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Lines of the next row tile to prefetch per 64-byte chunk of this one.
-constexpr int64_t kPrefetchRows = 1;
+// Software prefetch: for each 64-byte line of this row tile, the line at the same offset
+// `prefetch_tiles` tiles ahead, so that at least kPrefetchAheadBytes are in flight ahead of
+// the loads. One tile ahead was too close for short rows: an INT4 q_b tile (4 rows of
+// 768 B) is 3 KiB, ~0.1-0.2 us of work per core, below this VM's DRAM latency; measured
+// side by side (2 threads, 2 GiB sets, 2026-12-03): INT4 [24576, 1536] 25 -> 30 GB/s, FP8
+// +5-10% there; K = 2048 INT4 +0-10%; the K = 7168 tiles (>= 14 KiB) keep 1 tile.
+constexpr int64_t kPrefetchAheadBytes = 8192;
+inline int64_t prefetch_tiles(int64_t tile_bytes) {
+  return std::max<int64_t>(1, (kPrefetchAheadBytes + tile_bytes - 1) / tile_bytes);
+}
 
 template <int R, int MB>
 void fp8_tile(const uint16_t* xp, int64_t ks, const Fp8Matrix& w, int64_t r0, float* y,
@@ -103,8 +111,8 @@ void fp8_tile(const uint16_t* xp, int64_t ks, const Fp8Matrix& w, int64_t r0, fl
     rows[r] = w.w + (r0 + r) * w.k;
     srow[r] = w.scale + ((r0 + r) / w.block_n) * nkb;
   }
-  // Next tile's rows (clamped to the slice) for prefetch.
-  const int64_t pf_row = std::min(r0 + R * kPrefetchRows, n_end - 1);
+  // The rows prefetch_tiles ahead (clamped to the slice) for prefetch.
+  const int64_t pf_row = std::min(r0 + R * prefetch_tiles(R * w.k), n_end - 1);
   const uint8_t* pf = w.w + pf_row * w.k;
   __m512 tot[R][MB];
   for (int r = 0; r < R; ++r)
@@ -294,8 +302,10 @@ inline int64_t int4_sum_blocks(int64_t k) { return (k + 127) / 128; }
 template <int R, int MB>
 void int4_tile(const uint16_t* xp, int64_t ks, const float* xs, const Int4Matrix& w,
                int64_t r0, float* y, int64_t ldy, int64_t n_end) {
-  // Two accumulator chains per (row, activation) when registers allow, as fp8_tile.
-  constexpr int S = R * MB <= 4 ? 2 : 1;
+  // One accumulator chain per (row, activation), unlike fp8_tile: a block's four dps per
+  // row start a fresh chain (acc = -136 sum x), so blocks overlap in the out-of-order
+  // window anyway, and a second chain cost an add and a zeroing per row and block
+  // (measured side by side, 2 threads from DRAM: +3-8% INT4 GB/s without it).
   const __m512i low4 = _mm512_set1_epi16(0xF);
   const __m512i bias = _mm512_set1_epi16(0x4308);
   const __m512i pair_ctl = scale_pair_control();
@@ -307,7 +317,7 @@ void int4_tile(const uint16_t* xp, int64_t ks, const float* xs, const Int4Matrix
     rows[r] = w.q + (r0 + r) * row_bytes;
     srow[r] = w.scale + (r0 + r) * ng;
   }
-  const int64_t pf_row = std::min(r0 + R, n_end - 1);
+  const int64_t pf_row = std::min(r0 + R * prefetch_tiles(R * row_bytes), n_end - 1);
   const uint8_t* pf = w.q + pf_row * row_bytes;
   __m512 tot[R][MB];
   for (int r = 0; r < R; ++r)
@@ -315,13 +325,10 @@ void int4_tile(const uint16_t* xp, int64_t ks, const float* xs, const Int4Matrix
   for (int64_t b = 0; b < nb; ++b) {
     // Accumulators start at -136 * sum(x) per lane (per call, int4_block_sums), so the
     // bias cancels inside the block and the epilogue is one FMA per block and row.
-    __m512 acc[R][MB][S];
+    __m512 acc[R][MB];
     for (int i = 0; i < MB; ++i) {
       const __m512 nx = _mm512_loadu_ps(xs + (i * nxs + b) * 16);
-      for (int r = 0; r < R; ++r) {
-        acc[r][i][0] = nx;
-        if (S == 2) acc[r][i][S - 1] = _mm512_setzero_ps();
-      }
+      for (int r = 0; r < R; ++r) acc[r][i] = nx;
     }
     __m512i xv[MB][4];
     for (int i = 0; i < MB; ++i)
@@ -336,18 +343,17 @@ void int4_tile(const uint16_t* xp, int64_t ks, const float* xs, const Int4Matrix
       const __m512i w2 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 8), low4, bias, 0x6A);
       const __m512i w3 = _mm512_xor_si512(_mm512_srli_epi16(v, 12), bias);
       for (int i = 0; i < MB; ++i) {
-        acc[r][i][0] = dp(acc[r][i][0], w0, xv[i][0]);
-        acc[r][i][S - 1] = dp(acc[r][i][S - 1], w1, xv[i][1]);
-        acc[r][i][0] = dp(acc[r][i][0], w2, xv[i][2]);
-        acc[r][i][S - 1] = dp(acc[r][i][S - 1], w3, xv[i][3]);
+        acc[r][i] = dp(acc[r][i], w0, xv[i][0]);
+        acc[r][i] = dp(acc[r][i], w1, xv[i][1]);
+        acc[r][i] = dp(acc[r][i], w2, xv[i][2]);
+        acc[r][i] = dp(acc[r][i], w3, xv[i][3]);
       }
-      const uint32_t pair = srow[r][g0] | (static_cast<uint32_t>(srow[r][g1]) << 16);
+      uint32_t pair;  // group 64: the two scales are adjacent, one 32-bit load
+      if (g1 == g0 + 1) std::memcpy(&pair, srow[r] + g0, 4);
+      else pair = srow[r][g0] | (static_cast<uint32_t>(srow[r][g1]) << 16);
       const __m512 s =
           _mm512_castsi512_ps(_mm512_shuffle_epi8(_mm512_set1_epi32(static_cast<int>(pair)), pair_ctl));
-      for (int i = 0; i < MB; ++i) {
-        const __m512 a = S == 2 ? _mm512_add_ps(acc[r][i][0], acc[r][i][S - 1]) : acc[r][i][0];
-        tot[r][i] = _mm512_fmadd_ps(a, s, tot[r][i]);
-      }
+      for (int i = 0; i < MB; ++i) tot[r][i] = _mm512_fmadd_ps(acc[r][i], s, tot[r][i]);
     }
   }
   if (nb < nxs) {  // trailing 64-chunk, natural order: low nibbles -> elements 0-31
