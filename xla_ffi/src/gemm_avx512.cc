@@ -319,6 +319,11 @@ void int4_tile(const uint16_t* xp, int64_t ks, const float* xs, const Int4Matrix
   }
   const int64_t pf_row = std::min(r0 + R * prefetch_tiles(R * row_bytes), n_end - 1);
   const uint8_t* pf = w.q + pf_row * row_bytes;
+  // and that tile's group scales (a second stream, 1/16 of the bytes, which the hardware
+  // prefetcher left to demand misses: measured side by side, 2 threads from DRAM, INT4
+  // +14-26% at K = 2048, +17% at K = 1536, +0-6% at K = 7168)
+  const char* pf_scale = reinterpret_cast<const char*>(w.scale + pf_row * ng);
+  for (int64_t off = 0; off < R * ng * 2; off += 64) _mm_prefetch(pf_scale + off, _MM_HINT_T1);
   __m512 tot[R][MB];
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < MB; ++i) tot[r][i] = _mm512_setzero_ps();
