@@ -467,15 +467,18 @@ struct PackIdx {
 };
 
 PackIdx make_pack_idx() {
-  // vpermt2w indices into (table a = words 0-31, table b = words 32-63), built from the
-  // same formulas as packed_x_source (gemm_portable.cc), which tests check elementwise.
+  // vpermt2w indices into (table a = words 0-31, table b = words 32-63), taken from
+  // packed_x_source (gemm_portable.cc), the one definition of the layouts; tests check both
+  // layouts position by position (identity FP8 weight, identity x on INT4).
   alignas(64) uint16_t a[32], b[32], e[32], o[32];
+  // INT4 vectors t = 0 (even elements) and t = 2 (odd) of a 128-block draw on elements 0-31
+  // and 64-95, i.e. on (z0, z2); t = 1 and 3 take the same indices on (z1, z3).
+  const auto int4_idx = [](int64_t el) { return static_cast<uint16_t>(el < 64 ? el : el - 32); };
   for (int i = 0; i < 32; ++i) {
-    a[i] = static_cast<uint16_t>(16 * (i / 8) + i % 8);  // FP8 vector A: {0-7, 16-23, ...}
-    b[i] = static_cast<uint16_t>(a[i] + 8);               // FP8 vector B: the rest
-    const int src = (i < 16 ? 0 : 32) + 2 * (i % 16);     // INT4: chunk i / 16, word i % 16
-    e[i] = static_cast<uint16_t>(src);                    // even elements (nibbles 0 and 1)
-    o[i] = static_cast<uint16_t>(src + 1);                // odd elements (nibbles 2 and 3)
+    a[i] = static_cast<uint16_t>(packed_x_source(Isa::kAvx512, WeightFormat::kFp8, 64, i));
+    b[i] = static_cast<uint16_t>(packed_x_source(Isa::kAvx512, WeightFormat::kFp8, 64, 32 + i));
+    e[i] = int4_idx(packed_x_source(Isa::kAvx512, WeightFormat::kInt4, 128, i));
+    o[i] = int4_idx(packed_x_source(Isa::kAvx512, WeightFormat::kInt4, 128, 64 + i));
   }
   return {_mm512_load_si512(a), _mm512_load_si512(b), _mm512_load_si512(e), _mm512_load_si512(o)};
 }
