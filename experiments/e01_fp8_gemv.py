@@ -26,12 +26,19 @@ So fp8_bw_fraction and int4_time_ratio_vs_fp8 come from the "ours" process alone
 read_bw rows); a speedup divides a baseline's time (its process) by ours (record rows:
 `process`; every process reports the probe, so the machine's state in each is visible).
 Every timed call runs GEMVS_PER_DISPATCH (8) GEMVs on consecutive weights of its set,
-as a decode step does: the JAX variants as one jitted program (the GEMVs chained by an
-optimization barrier, so they run one after another, not side by side), numpy/torch in a
-Python loop. Why: one jit dispatch per GEMV costs ~30-40 us here between calls (measured
-inside our FFI handler: the gap from one call's end to the next one's start), 7-10% of
-a 2048x7168 FP8 GEMV; the kernel, not Python, is what this claim is about. Times are
-reported per GEMV (the call's time / 8).
+as a decode step does: the JAX variants as one jitted program, numpy/torch in a Python
+loop. Why: a jit dispatch after streaming weights runs with cold caches (L3 is a victim
+cache that the weight stream flushes): measured 2026-12-03 from Python's clock against our
+FFI handler's (same monotonic clock), ~120 us pass from the call to the first GEMV's start
+and ~125 us from the last GEMV's end to the return (plus ~60 us in block_until_ready),
+against ~50 us for the whole dispatch when its weights fit in cache: ~300 us per dispatch,
+~8% of eight 2048x7168 FP8 GEMVs and more of one. The kernel, not Python, is what this
+claim is about. Why 8, not more: XLA's CPU thunk executor runs a program of at most 8
+thunks sequentially and larger ones as a dataflow graph, running independent GEMVs side
+by side (the optimization barrier in _chained does not survive compilation, and
+has_side_effect does not order them either); our pool serialises those regions, and 32
+GEMVs per program measured 20-30% slower per GEMV than 8. Times are reported per GEMV
+(the call's time / 8).
 The thread count is fixed per child process: XLA_FLAGS / OPENBLAS_NUM_THREADS /
 torch.set_num_threads and our num_threads all get the same value.
 Summary keys: from median wall times at all cores (the issue's targets), the same from
@@ -71,12 +78,16 @@ VARIANTS = (
 )
 BYTES_PER_WEIGHT = {"f32_blas": 4.0, "f32_xla": 4.0, "bf16_torch": 2.0, "bf16_xla": 2.0}
 CHILD_FLAG = "--child-threads"
-GEMVS_PER_DISPATCH = 8
+GEMVS_PER_DISPATCH = 8  # <= 8: XLA runs such programs sequentially (module doc)
 
 
 def _chained(f):
-    """jit of (x, ws) -> [f(x, w) for w in ws], each GEMV ordered after the previous.
-    Every output is returned: XLA drops work whose only consumer is a barrier."""
+    """jit of (x, ws) -> [f(x, w) for w in ws]. The barrier does not order the GEMVs after
+    compilation; our FFI GEMVs (one thunk each) run one after another with len(ws) <= 8
+    because XLA's CPU runtime executes programs of at most 8 thunks sequentially (module
+    doc); XLA's own variants (several thunks per GEMV) may overlap theirs, which can only
+    flatter those baselines. Every output is returned: XLA drops work whose only consumer
+    is a barrier."""
     import jax
 
     def run(x, ws):
