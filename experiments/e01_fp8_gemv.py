@@ -35,7 +35,7 @@ against ~50 us for the whole dispatch when its weights fit in cache: ~300 us per
 ~8% of eight 2048x7168 FP8 GEMVs and more of one. The kernel, not Python, is what this
 claim is about. Why 8, not more: XLA's CPU thunk executor runs a program of at most 8
 thunks sequentially and larger ones as a dataflow graph, running independent GEMVs side
-by side (the optimization barrier in _chained does not survive compilation, and
+by side (an optimization barrier between them does not survive compilation, and
 has_side_effect does not order them either); our pool serialises those regions, and 32
 GEMVs per program measured 20-30% slower per GEMV than 8. Times are reported per GEMV
 (the call's time / 8).
@@ -81,24 +81,17 @@ CHILD_FLAG = "--child-threads"
 GEMVS_PER_DISPATCH = 8  # <= 8: XLA runs such programs sequentially (module doc)
 
 
-def _chained(f):
-    """jit of (x, ws) -> [f(x, w) for w in ws]. The barrier does not order the GEMVs after
-    compilation; our FFI GEMVs (one thunk each) run one after another with len(ws) <= 8
-    because XLA's CPU runtime executes programs of at most 8 thunks sequentially (module
-    doc); XLA's own variants (several thunks per GEMV) may overlap theirs, which can only
-    flatter those baselines. Every output is returned: XLA drops work whose only consumer
-    is a barrier."""
+def _jit_group(f):
+    """jit of (x, ws) -> [f(x, w) for w in ws]. Nothing orders the GEMVs in the program: an
+    optimization barrier between them compiled to the same executables (checked for all
+    three JAX variants) and was dropped. Our FFI GEMVs (one thunk each) still run one after
+    another at len(ws) <= 8, because XLA's CPU runtime executes programs of at most 8
+    thunks sequentially (module doc); XLA's own variants (several thunks per GEMV) may
+    overlap theirs, which can only flatter those baselines. Every output is returned, so
+    no GEMV is dead code."""
     import jax
 
-    def run(x, ws):
-        ys = []
-        for w in ws:
-            y = f(x, w)
-            ys.append(y)
-            x, _ = jax.lax.optimization_barrier((x, y))
-        return ys
-
-    return jax.jit(run)
+    return jax.jit(lambda x, ws: [f(x, w) for w in ws])
 
 
 def _fp8_base(n: int, k: int, rng: np.random.Generator):
@@ -157,7 +150,7 @@ def _measure_shape(
         )
         assert np.asarray(fp8_set.items[0].w).dtype == FP8_DTYPE
     if "fp8_ours" in names:
-        ours = _chained(lambda x, w: gemm.fp8_matmul(x, w, num_threads=threads))
+        ours = _jit_group(lambda x, w: gemm.fp8_matmul(x, w, num_threads=threads))
         # correctness of what we time, against the reference (not a test: a sanity record)
         y = np.asarray(ours(xj, (fp8_set.items[0],))[0])
         y_ref = np.asarray(gemm.fp8_matmul_ref(x, base))
@@ -169,21 +162,22 @@ def _measure_shape(
             n * k // 2,
             set_bytes // 2,
         )
-        ours4 = _chained(lambda x, w: gemm.int4_matmul(x, w, num_threads=threads))
+        ours4 = _jit_group(lambda x, w: gemm.int4_matmul(x, w, num_threads=threads))
         variants["int4_ours"], sets["int4_ours"] = lambda: ready(ours4(xj, group(int4_set))), int4_set
     if "xla_dequant" in names:
-        xla_deq = _chained(lambda x, w: x @ dequantize(w, jnp.float32).T)
+        xla_deq = _jit_group(lambda x, w: x @ dequantize(w, jnp.float32).T)
         variants["xla_dequant"], sets["xla_dequant"] = lambda: ready(xla_deq(xj, group(fp8_set))), fp8_set
     if "f32_blas" in names:
         f32_set = RotatingSet(lambda i: np.array(wf, copy=True), 4 * n * k, set_bytes)
         variants["f32_blas"], sets["f32_blas"] = lambda: [x @ w.T for w in group(f32_set)], f32_set
+    xla_dot = _jit_group(lambda x, w: x @ w.T)
     if "f32_xla" in names:
-        xla_dot = _chained(lambda x, w: x @ w.T)
         f32_dev_set = RotatingSet(lambda i: copy_dev(wf), 4 * n * k, set_bytes)
+        variants["f32_xla"], sets["f32_xla"] = lambda: ready(xla_dot(xj, group(f32_dev_set))), f32_dev_set
+    if "bf16_xla" in names:
         wb = wf.astype(ml_dtypes.bfloat16)  # round to nearest even, as torch's .to(bfloat16)
         bf16_dev_set = RotatingSet(lambda i: copy_dev(wb), 2 * n * k, set_bytes)
         xb = jnp.asarray(x, jnp.bfloat16)
-        variants["f32_xla"], sets["f32_xla"] = lambda: ready(xla_dot(xj, group(f32_dev_set))), f32_dev_set
         variants["bf16_xla"], sets["bf16_xla"] = lambda: ready(xla_dot(xb, group(bf16_dev_set))), bf16_dev_set
     if "bf16_torch" in names:
         import torch
