@@ -30,12 +30,12 @@ import numpy as np  # noqa: E402
 
 from experiments.common import emit_record, interleaved_timings, parse_args, print_ceiling  # noqa: E402
 from hmoe_jax.config import named_model_config  # noqa: E402
+from hmoe_jax.engine.engine import Engine  # noqa: E402
 from hmoe_jax.model.model import forward, init_cache  # noqa: E402
-from hmoe_jax.runtime.engine import Engine  # noqa: E402
+from hmoe_jax.plan.system import SystemSpec  # noqa: E402
+from hmoe_jax.plan.trace import TraceRecorder  # noqa: E402
 from hmoe_jax.runtime.staging import StagingRing  # noqa: E402
 from hmoe_jax.runtime.synthetic import random_params  # noqa: E402
-from hmoe_jax.runtime.system import SystemSpec  # noqa: E402
-from hmoe_jax.runtime.trace import TraceRecorder  # noqa: E402
 
 
 def overlap_fraction(trace: TraceRecorder) -> float:

@@ -261,7 +261,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---- hybrid engine flags (hmoe_jax.runtime.engine; owner: engine) ----------------------
+# ---- hybrid engine flags (hmoe_jax.engine.engine; owner: engine) ----------------------
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -295,9 +295,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_generate_engine(args: argparse.Namespace, run: Run, ids: list[int]) -> int:
-    from hmoe_jax.runtime.engine import Engine
-    from hmoe_jax.runtime.system import SystemSpec, load_system
-    from hmoe_jax.runtime.trace import TraceRecorder
+    from hmoe_jax.engine.engine import Engine
+    from hmoe_jax.plan.system import SystemSpec, load_system
+    from hmoe_jax.plan.trace import TraceRecorder
     from hmoe_jax.schedules.registry import SCHEDULES
 
     if args.temperature != 0.0:

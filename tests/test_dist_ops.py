@@ -24,19 +24,18 @@ from jax.sharding import PartitionSpec as P
 from hmoe_jax.model.model import attention_block
 from hmoe_jax.model.moe import experts_ref, moe_block, route
 from hmoe_jax.model.params import MoEParams
-from hmoe_jax.runtime.dist import (
-    AXIS,
+from hmoe_jax.parallel.attention import cp_attention_block
+from hmoe_jax.parallel.mesh import AXIS, make_mesh
+from hmoe_jax.parallel.moe import ep_moe, experts_grouped, grouped_experts_fn, smallep_moe
+from hmoe_jax.plan.dist import (
     ZigzagLayout,
     cp_attention_comm,
     ep_comm,
     ep_comm_buffers,
     ep_comm_expected,
-    make_mesh,
     smallep_beats_ep,
     smallep_comm,
 )
-from hmoe_jax.runtime.dist_attention import cp_attention_block
-from hmoe_jax.runtime.dist_moe import ep_moe, experts_grouped, grouped_experts_fn, smallep_moe
 from tests.test_dist_params import random_params, tiny_config
 
 REL_TOL = 1e-5

@@ -1,7 +1,8 @@
-"""Whole distributed prefill (CP attention + SmallEP or EP, layer by layer, streamed
-weights) vs the single-device reference forward, on 1, 2 and 4 stand-in devices, f32 and
-FP8: full-sequence logits, the decode cache, the greedy continuation from the distributed
-prefill, and the per-rank weight traffic (each rank receives only its own experts).
+"""Distributed prefill through the engine (schedules `dslp` = CP attention + SmallEP, `ep` =
+CP attention + standard EP; weights streamed per rank) vs the single-device reference
+forward, on 1, 2 and 4 stand-in devices, f32 and FP8: full-sequence logits, the decode
+cache, the greedy continuation from the distributed prefill, and the per-rank weight
+traffic (each rank receives only its own experts).
 
 Tolerance as in test_dist_ops.py (reordered f32 sums): 1e-5 * max|ref|. Greedy tokens
 must be identical.
@@ -9,6 +10,7 @@ must be identical.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -16,18 +18,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from hmoe_jax.engine.engine import Engine
 from hmoe_jax.model.generate import generate
 from hmoe_jax.model.model import forward, forward_nocache, init_cache
 from hmoe_jax.model.params import MoEParams
+from hmoe_jax.parallel.mesh import make_mesh
+from hmoe_jax.plan.system import SystemSpec
 from hmoe_jax.quant.fp8 import Fp8Tensor
-from hmoe_jax.runtime.dist import make_mesh
-from hmoe_jax.runtime.dist_prefill import dist_generate, dist_prefill
 from hmoe_jax.runtime.dist_stream import RankStreamer
 from tests.test_dist_ops import assert_close
 from tests.test_dist_params import random_params, tiny_config
 
 # 3 layers (1 dense, 2 MoE) keep the reference compile short.
 CFG = tiny_config("deepseek_v3_tiny", num_hidden_layers=3, first_k_dense_replace=1)
+CFG_F32 = dataclasses.replace(CFG, quant=None)  # plans size ring slots from cfg.quant
 
 
 def _expert_leaf_bytes(experts, lo, hi) -> int:
@@ -47,6 +51,13 @@ def _case(fp8: bool):
     return params, prompt, logits, cache
 
 
+@functools.cache
+def _engine(fp8: bool, n: int) -> Engine:
+    # experts_ref on the host: the reference rollout uses it too (the FFI op rounds to bf16).
+    cfg = CFG if fp8 else CFG_F32
+    return Engine(_case(fp8)[0], cfg, devices=n, system=SystemSpec(num_accelerators=n), expert_fn="ref")
+
+
 CASES = [
     ("smallep", False, 1),
     ("smallep", False, 2),
@@ -55,26 +66,28 @@ CASES = [
     ("smallep", True, 4),
     ("ep", True, 2),
 ]
+SCHEDULE = {"smallep": "dslp", "ep": "ep"}
 
 
 @pytest.mark.parametrize("scheme,fp8,n", CASES)
 def test_dist_prefill_matches_reference(scheme, fp8, n):
     params, prompt, ref_logits, ref_cache = _case(fp8)
-    t = T
-    res = dist_prefill(
-        params, CFG, np.asarray([prompt]), make_mesh(n), moe_scheme=scheme, all_logits=True, max_len=MAX_LEN
-    )
+    eng = _engine(fp8, n)
+    cache = eng.new_cache(MAX_LEN)
+    logits, run, _, plan = eng.prefill(np.asarray(prompt), cache, SCHEDULE[scheme], all_logits=True)
+    assert plan.meta["devices"] == n and plan.meta["moe_scheme"] == scheme
 
-    assert_close(res.logits, ref_logits, f"dslp/{scheme} logits N={n} T={t} fp8={fp8}")
-    assert_close(res.logits_last, ref_logits[:, -1], "last-token logits")
-    assert_close(res.cache.latent, ref_cache.latent, "latent cache")
-    assert_close(res.cache.k_rope, ref_cache.k_rope, "k_rope cache")
-    assert not np.asarray(res.cache.latent)[:, :, t:].any(), "pad / unused cache slots must be zero"
+    assert_close(logits[None], ref_logits, f"{plan.schedule} logits N={n} T={T} fp8={fp8}")
+    kv = cache.to_kvcache()
+    assert_close(kv.latent, ref_cache.latent, "latent cache")
+    assert_close(kv.k_rope, ref_cache.k_rope, "k_rope cache")
+    assert not np.asarray(kv.latent)[:, :, T:].any(), "pad / unused cache slots must be zero"
 
     # Each rank received exactly its own experts' bytes, once per MoE layer, and nothing else.
+    st = run.vals["dslp"]
     el = CFG.n_routed_experts // n
     for i, layer in enumerate(params.layers):
-        recs = [r for r in res.stream.log if r.layer == i and r.what == "experts"]
+        recs = [r for r in st.streamer.log if r.layer == i and r.what == "experts"]
         if not isinstance(layer.ffn, MoEParams):
             assert recs == []
             continue
@@ -83,19 +96,18 @@ def test_dist_prefill_matches_reference(scheme, fp8, n):
             assert r.experts == (r.rank * el, (r.rank + 1) * el)
             assert r.bytes == _expert_leaf_bytes(layer.ffn.experts, *r.experts)
 
-    moe_layers = [c for c in res.comm if "moe" in c]
-    assert len(moe_layers) == CFG.num_hidden_layers - CFG.first_k_dense_replace
-    assert all(c["moe"]["scheme"] == scheme for c in moe_layers)
+    assert len(st.comm) == CFG.num_hidden_layers - CFG.first_k_dense_replace
+    assert all(c["moe"]["scheme"] == scheme for c in st.comm)
     if n == 1:
-        assert all(c["attention"]["total_bytes"] == 0 for c in res.comm)
-        assert all(c["moe"]["total_bytes"] == 0 for c in moe_layers)
+        assert all(c["moe"]["total_bytes"] == 0 for c in st.comm)
 
 
 @pytest.mark.parametrize("scheme,fp8,n", [("smallep", False, 2), ("ep", True, 2)])
 def test_greedy_continuation_after_dist_prefill(scheme, fp8, n):
     params, prompt, *_ = _case(fp8)
     ref = generate(params, CFG, prompt, NEW, stop_ids=())
-    got, _ = dist_generate(params, CFG, prompt, NEW, make_mesh(n), moe_scheme=scheme, stop_ids=())
+    got = _engine(fp8, n).generate(prompt, NEW, schedule=SCHEDULE[scheme], stop_ids=())
+    assert got.schedule == SCHEDULE[scheme]
     assert got.tokens == ref.tokens
     # and the teacher-forced argmax of the whole rollout agrees (decode-consistency)
     full = np.asarray(forward_nocache(params, CFG, jnp.asarray([prompt + ref.tokens[:-1]])))[0]
@@ -127,15 +139,8 @@ def test_streamer_puts_each_ranks_experts_on_its_device_only(fp8):
 
 
 def test_dist_prefill_rejects_bad_input():
-    params = _case(False)[0]
-    mesh = make_mesh(2)
-    with pytest.raises(ValueError, match="token ids must be in \\[0, 512\\)"):
-        dist_prefill(params, CFG, np.array([[1, 512]]), mesh)
-    with pytest.raises(ValueError, match="tokens must be \\[B, T\\]"):
-        dist_prefill(params, CFG, np.array([1, 2]), mesh)
-    with pytest.raises(ValueError, match="moe_scheme 'x'"):
-        dist_prefill(params, CFG, np.array([[1, 2]]), mesh, moe_scheme="x")
-    with pytest.raises(ValueError, match="max_len=1 is shorter than the prompt"):
-        dist_prefill(params, CFG, np.array([[1, 2]]), mesh, max_len=1)
+    eng = _engine(False, 2)
+    with pytest.raises(ValueError, match="token id 512 out of range \\[0, 512\\)"):
+        eng.generate([1, 512], 1, schedule="dslp")
     with pytest.raises(RuntimeError, match="dropped .* pairs in layer 1"):
-        dist_prefill(params, CFG, np.arange(T)[None], mesh, moe_scheme="ep", ep_capacity=1)
+        eng.prefill(np.arange(T), eng.new_cache(MAX_LEN), "ep", ep_capacity=1)

@@ -15,11 +15,11 @@ import pytest
 
 from hmoe_jax.model.generate import generate
 from hmoe_jax.model.params import MoEParams
-from hmoe_jax.runtime import costs
-from hmoe_jax.runtime.plan import Plan
-from hmoe_jax.runtime.system import SystemSpec
+from hmoe_jax.plan import costs
+from hmoe_jax.plan.costs import layer_rest_bytes
+from hmoe_jax.plan.format import Plan
+from hmoe_jax.plan.system import SystemSpec
 from hmoe_jax.schedules.base import ScheduleError
-from hmoe_jax.schedules.dslp import layer_rest_bytes
 from hmoe_jax.schedules.registry import get_schedule
 from tests.test_dist_params import random_params, tiny_config
 
@@ -90,8 +90,8 @@ def test_plan_rejects_what_it_cannot_run():
 @pytest.mark.parametrize("name", ["dslp", "ep"])
 def test_engine_run_streams_each_ranks_experts_once(name):
     pytest.importorskip("_hmoe_ffi", reason="the staging ring needs the built extension (tools/build_ffi.sh)")
-    from hmoe_jax.runtime.engine import Engine
-    from hmoe_jax.runtime.trace import TraceRecorder
+    from hmoe_jax.engine.engine import Engine
+    from hmoe_jax.plan.trace import TraceRecorder
 
     cfg = _cfg(True)
     params = random_params(cfg, seed=3, fp8=True)
@@ -142,8 +142,8 @@ def _overlapping_layers(trace) -> set[int]:
 @pytest.mark.parametrize("mode", ["pipelined", "serial"])
 def test_trace_shows_each_ranks_next_layer_copy_overlapping_compute(mode):
     pytest.importorskip("_hmoe_ffi", reason="the staging ring needs the built extension (tools/build_ffi.sh)")
-    from hmoe_jax.runtime.engine import Engine
-    from hmoe_jax.runtime.trace import TraceRecorder
+    from hmoe_jax.engine.engine import Engine
+    from hmoe_jax.plan.trace import TraceRecorder
 
     cfg = _cfg(True)
     params = random_params(cfg, seed=3, fp8=True)

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from hmoe_jax.config import named_model_config
+from hmoe_jax.engine.engine import Engine, ffi_moe_available
 from hmoe_jax.model.generate import generate
-from hmoe_jax.runtime.engine import Engine, ffi_moe_available
+from hmoe_jax.plan.trace import load_slices
 from hmoe_jax.runtime.placement import PlacementError, make_placement
 from hmoe_jax.runtime.synthetic import random_params
-from hmoe_jax.runtime.trace import load_slices
 from hmoe_jax.schedules.base import ScheduleError
 
 
@@ -141,8 +141,8 @@ def test_decode_placement_routed_experts_on_host_rest_on_accelerator(monkeypatch
 
 @pytest.mark.parametrize("mode", ["pipelined", "serial", "async"])
 def test_executor_errors_surface_without_hanging(mode, monkeypatch):
+    from hmoe_jax.plan.format import Op, Plan, PlanError
     from hmoe_jax.runtime import executor as X
-    from hmoe_jax.runtime.plan import Op, Plan, PlanError
 
     cfg, params = fp8_model()
     eng = Engine(params, cfg, expert_fn="ref")

@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 
 from hmoe_jax.config import named_model_config
-from hmoe_jax.runtime import costs
-from hmoe_jax.runtime.plan import Op, Plan, PlanError
-from hmoe_jax.runtime.system import SystemSpec, load_system, system_from_dict
+from hmoe_jax.plan import costs
+from hmoe_jax.plan.format import Op, Plan, PlanError
+from hmoe_jax.plan.system import SystemSpec, load_system, system_from_dict
 from hmoe_jax.schedules.base import ScheduleError
 from hmoe_jax.schedules.registry import get_schedule, schedule_names
 

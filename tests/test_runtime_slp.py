@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 
 from hmoe_jax.config import named_model_config
+from hmoe_jax.engine.engine import Engine
 from hmoe_jax.model.params import MoEParams
+from hmoe_jax.plan.system import SystemSpec
+from hmoe_jax.plan.trace import TraceRecorder
 from hmoe_jax.quant.fp8 import FP8_DTYPE, Fp8Tensor
 from hmoe_jax.runtime import executor as X
-from hmoe_jax.runtime.engine import Engine
 from hmoe_jax.runtime.placement import aligned_empty
 from hmoe_jax.runtime.synthetic import random_params
-from hmoe_jax.runtime.system import SystemSpec
-from hmoe_jax.runtime.trace import TraceRecorder
 
 pytest.importorskip("_hmoe_ffi", reason="the compiled extension is needed (tools/build_ffi.sh)")
 

@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 
 from hmoe_jax.config import named_model_config
+from hmoe_jax.engine.engine import Engine
 from hmoe_jax.model.generate import generate, teacher_forced_logits
-from hmoe_jax.runtime.engine import Engine
+from hmoe_jax.plan.system import SystemSpec
 from hmoe_jax.runtime.synthetic import random_params
-from hmoe_jax.runtime.system import SystemSpec
 from hmoe_jax.schedules.registry import schedule_class, schedule_names
 
 PROMPT_LEN, NEW_TOKENS = 12, 4

@@ -74,7 +74,7 @@ def check_prompt(cfg: ModelConfig, prompt_ids: Sequence[int], max_new_tokens: in
     return ids.astype(np.int32)
 
 
-_check_prompt = check_prompt  # the name hmoe_jax.runtime.engine imports
+_check_prompt = check_prompt  # the name hmoe_jax.engine.engine imports
 
 
 def generate(

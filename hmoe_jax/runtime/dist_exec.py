@@ -29,9 +29,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hmoe_jax.model.moe import ExpertFn, experts_ref
-from hmoe_jax.runtime.dist import AXIS, ZigzagLayout
-from hmoe_jax.runtime.dist_moe import grouped_experts_fn
-from hmoe_jax.runtime.dist_prefill import (
+from hmoe_jax.parallel.mesh import AXIS
+from hmoe_jax.parallel.moe import grouped_experts_fn
+from hmoe_jax.parallel.prefill import (
     attn_fn,
     check_dropped,
     embed_fn,
@@ -41,9 +41,10 @@ from hmoe_jax.runtime.dist_prefill import (
     moe_comm_record,
     split_layer,
 )
+from hmoe_jax.plan.dist import ZigzagLayout
+from hmoe_jax.plan.format import Op, PlanError
 from hmoe_jax.runtime.dist_stream import RankStreamer
 from hmoe_jax.runtime.executor import Run, register_op_kind
-from hmoe_jax.runtime.plan import Op, PlanError
 from hmoe_jax.runtime.staging import slot_layout
 
 

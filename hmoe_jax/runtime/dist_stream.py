@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hmoe_jax.model.params import ExpertsParams
-from hmoe_jax.runtime.dist import AXIS
+from hmoe_jax.parallel.mesh import AXIS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,11 +29,11 @@ import numpy as np
 
 from hmoe_jax.config import ModelConfig
 from hmoe_jax.model.moe import ExpertFn
+from hmoe_jax.plan.format import Op, Plan, PlanError
+from hmoe_jax.plan.trace import TraceRecorder
 from hmoe_jax.runtime import pieces
-from hmoe_jax.runtime.plan import Op, Plan, PlanError
 from hmoe_jax.runtime.staging import StagingRing, slot_layout
 from hmoe_jax.runtime.state import LayerCache, PlacedWeights
-from hmoe_jax.runtime.trace import TraceRecorder
 
 MODES = ("pipelined", "serial", "async")
 Handler = Callable[["Run", Op], list[Any]]

@@ -22,9 +22,10 @@ import numpy as np
 
 from hmoe_jax.kernels import ffi as hffi
 from hmoe_jax.model.params import ExpertsParams
+from hmoe_jax.plan.costs import SLOT_ALIGN_BYTES
 from hmoe_jax.quant.fp8 import Fp8Tensor
 
-_ALIGN = 256  # sub-array alignment inside a slot (>= 64 for zero-copy device_put)
+_ALIGN = SLOT_ALIGN_BYTES  # sub-array alignment inside a slot (>= 64 for zero-copy device_put)
 u64 = ctypes.c_uint64
 
 

@@ -5,8 +5,8 @@ least two accelerators are available (and the schedule is registered), else `slp
 from __future__ import annotations
 
 from hmoe_jax.config import ModelConfig
-from hmoe_jax.runtime.plan import Plan
-from hmoe_jax.runtime.system import SystemSpec
+from hmoe_jax.plan.format import Plan
+from hmoe_jax.plan.system import SystemSpec
 from hmoe_jax.schedules.base import Schedule
 
 

@@ -1,5 +1,5 @@
 """The Schedule interface: a small host-side object that turns (cfg, system, num_tokens)
-into a Plan (runtime/plan.py). It touches no arrays; the executor in runtime/ runs the plan
+into a Plan (plan/format.py). It touches no arrays; the executor in runtime/ runs the plan
 against real params. A new schedule is one file plus one line in schedules/registry.py.
 """
 
@@ -9,8 +9,8 @@ import abc
 from typing import ClassVar
 
 from hmoe_jax.config import ModelConfig
-from hmoe_jax.runtime.plan import Plan
-from hmoe_jax.runtime.system import SystemSpec
+from hmoe_jax.plan.format import Plan
+from hmoe_jax.plan.system import SystemSpec
 
 
 class ScheduleError(ValueError):

@@ -10,9 +10,9 @@ host computes the routed experts.
 from __future__ import annotations
 
 from hmoe_jax.config import ModelConfig
-from hmoe_jax.runtime import costs
-from hmoe_jax.runtime.plan import Plan, PlanBuilder
-from hmoe_jax.runtime.system import SystemSpec
+from hmoe_jax.plan import costs
+from hmoe_jax.plan.format import Plan, PlanBuilder
+from hmoe_jax.plan.system import SystemSpec
 from hmoe_jax.schedules.base import Schedule
 
 

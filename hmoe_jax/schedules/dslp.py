@@ -25,55 +25,14 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import numpy as np
-
 from hmoe_jax.config import ModelConfig
-from hmoe_jax.io.names import expected_tensors
-from hmoe_jax.model.params import ExpertsParams
-from hmoe_jax.quant.fp8 import FP8_DTYPE, Fp8Tensor, scale_grid_shape
-from hmoe_jax.runtime import costs
-from hmoe_jax.runtime import dist_exec as _handlers  # noqa: F401  (registers the op kinds)
-from hmoe_jax.runtime.dist import ZigzagLayout, cp_attention_comm, ep_comm_expected, smallep_comm
-from hmoe_jax.runtime.plan import Plan, PlanBuilder
-from hmoe_jax.runtime.staging import slot_layout
-from hmoe_jax.runtime.system import SystemSpec
+from hmoe_jax.plan import costs
+from hmoe_jax.plan.dist import ZigzagLayout, cp_attention_comm, ep_comm_expected, smallep_comm
+from hmoe_jax.plan.format import Plan, PlanBuilder
+from hmoe_jax.plan.system import SystemSpec
 from hmoe_jax.schedules.base import Schedule, ScheduleError
 
 ACC = "acc:all"  # collective ops: every rank in lock-step
-
-
-def layer_rest_bytes(cfg: ModelConfig, layer: int) -> int:
-    """Bytes of a layer's non-expert weights as stored (what every rank receives)."""
-    prefix = f"model.layers.{layer}."
-    total = 0
-    for s in expected_tensors(cfg):
-        if not s.name.startswith(prefix) or ".mlp.experts." in s.name:
-            continue
-        if s.quantized and cfg.quant is not None:
-            total += int(np.prod(s.shape)) + 4 * int(
-                np.prod(scale_grid_shape(s.shape, cfg.quant.block_n, cfg.quant.block_k))
-            )
-        else:
-            total += 4 * int(np.prod(s.shape))
-    return total
-
-
-def rank_slot_bytes(cfg: ModelConfig, experts_per_rank: int) -> int:
-    """Ring slot size for one rank's experts, with the ring's own sub-array alignment."""
-
-    def w(n: int, k: int):
-        if cfg.quant is None:
-            return np.broadcast_to(np.float32(0), (1, n, k))
-        q = cfg.quant
-        return Fp8Tensor(
-            w=np.broadcast_to(np.zeros((), FP8_DTYPE), (1, n, k)),
-            scale_inv=np.broadcast_to(np.float32(0), scale_grid_shape((1, n, k), q.block_n, q.block_k)),
-            block_n=q.block_n,
-            block_k=q.block_k,
-        )
-
-    d, i = cfg.hidden_size, cfg.moe_intermediate_size
-    return slot_layout(ExpertsParams(gate=w(i, d), up=w(i, d), down=w(d, i)), experts_per_rank)[1]
 
 
 class DslpSchedule(Schedule):
@@ -106,7 +65,13 @@ class DslpSchedule(Schedule):
         per_rank_tokens = t_pad // n
         b = PlanBuilder(self.name, num_tokens)
         h = embed = b.add(
-            "dslp_embed", ACC, ranks=n, scheme=self.moe_scheme, ep_capacity=capacity, tokens=[0, num_tokens]
+            "dslp_embed",
+            ACC,
+            ranks=n,
+            scheme=self.moe_scheme,
+            ep_capacity=capacity,
+            acc_experts=acc_experts,
+            tokens=[0, num_tokens],
         )
         slot_free: dict[int, int] = {}  # slot -> the unload that last freed it
         moe_layers = 0
@@ -120,7 +85,8 @@ class DslpSchedule(Schedule):
                         "dslp_load",
                         f"h2d:{r}",
                         layer=layer,
-                        bytes=layer_rest_bytes(cfg, layer) + (el * costs.expert_bytes(cfg) if moe else 0),
+                        bytes=costs.layer_rest_bytes(cfg, layer)
+                        + (el * costs.expert_bytes(cfg) if moe else 0),
                         deps=[embed, slot_free.get(slot)],  # embed creates the run state the loaders use
                         rank=r,
                         slot=slot,
@@ -186,5 +152,5 @@ class DslpSchedule(Schedule):
             smallep_beats_ep=n <= k,
         )
         if staging == "ring" and moe_layers:
-            meta.update(ring_slots=2 * n, slot_bytes=rank_slot_bytes(cfg, el))
+            meta.update(ring_slots=2 * n, slot_bytes=costs.slot_bytes(cfg, el))
         return b.build(**meta)

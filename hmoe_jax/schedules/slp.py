@@ -18,9 +18,9 @@ overrides.
 from __future__ import annotations
 
 from hmoe_jax.config import ModelConfig
-from hmoe_jax.runtime import costs
-from hmoe_jax.runtime.plan import Plan, PlanBuilder
-from hmoe_jax.runtime.system import SystemSpec
+from hmoe_jax.plan import costs
+from hmoe_jax.plan.format import Plan, PlanBuilder
+from hmoe_jax.plan.system import SystemSpec
 from hmoe_jax.schedules.base import Schedule, ScheduleError
 from hmoe_jax.schedules.cpu import add_attention
 
@@ -139,7 +139,7 @@ class SlpSchedule(Schedule):
             start_pos=start_pos,
             ring_slots=ring,
             experts_per_slot=per_slot,
-            slot_bytes=per_slot * costs.expert_bytes(cfg),
+            slot_bytes=costs.slot_bytes(cfg, per_slot),
             bound=bound,
             est_layer_copy_s=copy_s,
             est_layer_compute_s=compute_s,

@@ -69,3 +69,48 @@ def hidden_bytes(cfg: ModelConfig, tokens: int) -> int:
 def route_bytes(cfg: ModelConfig, tokens: int) -> int:
     """ids (int32) + weights (f32) of `tokens` tokens."""
     return 8 * tokens * cfg.num_experts_per_tok
+
+
+def _stored_bytes(cfg: ModelConfig, shape: tuple[int, ...], quantized: bool) -> int:
+    """A checkpoint tensor's bytes as placed: quantized matrices FP8 + f32 block scales
+    (_w_bytes), everything else f32."""
+    if quantized and cfg.quant is not None:
+        return _w_bytes(cfg, *shape)
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return 4 * n
+
+
+def layer_rest_bytes(cfg: ModelConfig, layer: int) -> int:
+    """Bytes of a layer's non-expert weights as stored (FP8 + f32 scales for quantized
+    tensors, f32 for the rest): what dslp streams to every rank per layer."""
+    from hmoe_jax.plan.tensors import expected_tensors
+
+    prefix = f"model.layers.{layer}."
+    return sum(
+        _stored_bytes(cfg, s.shape, s.quantized)
+        for s in expected_tensors(cfg)
+        if s.name.startswith(prefix) and ".mlp.experts." not in s.name
+    )
+
+
+# Sub-array alignment inside a staging-ring slot (>= 64 for zero-copy device_put on CPU);
+# runtime/staging.py lays slots out with this value.
+SLOT_ALIGN_BYTES = 256
+
+
+def slot_bytes(cfg: ModelConfig, experts_per_slot: int) -> int:
+    """Bytes of one ring slot holding `experts_per_slot` routed experts, laid out as
+    runtime/staging.slot_layout does: each stacked array (w and scale of gate, up, down)
+    rounded up to SLOT_ALIGN_BYTES."""
+    d, i = cfg.hidden_size, cfg.moe_intermediate_size
+    arrays: list[int] = []
+    for n, k in ((i, d), (i, d), (d, i)):
+        if cfg.quant is None:
+            arrays.append(4 * n * k)
+        else:
+            q = cfg.quant
+            arrays += [n * k, 4 * (-(-n // q.block_n)) * (-(-k // q.block_k))]
+    a = SLOT_ALIGN_BYTES
+    return sum(-(-(b * experts_per_slot) // a) * a for b in arrays)

@@ -21,13 +21,14 @@ from hmoe_jax.config import ModelConfig
 from hmoe_jax.model.generate import CACHE_BUCKET, _check_prompt
 from hmoe_jax.model.moe import ExpertFn, experts_ref
 from hmoe_jax.model.params import ModelParams
+from hmoe_jax.plan.format import Plan
+from hmoe_jax.plan.system import SystemSpec
+from hmoe_jax.plan.trace import TraceRecorder
+from hmoe_jax.runtime import dist_exec as _dist_ops  # noqa: F401  (registers the dslp/ep op kinds)
 from hmoe_jax.runtime import executor as X
 from hmoe_jax.runtime import placement as P
-from hmoe_jax.runtime.plan import Plan
 from hmoe_jax.runtime.staging import StagingRing
 from hmoe_jax.runtime.state import LayerCache, PlacedWeights
-from hmoe_jax.runtime.system import SystemSpec
-from hmoe_jax.runtime.trace import TraceRecorder
 from hmoe_jax.schedules.registry import get_schedule
 
 

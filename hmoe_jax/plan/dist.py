@@ -1,5 +1,6 @@
-"""Distributed prefill over a 1-D mesh of N accelerators: mesh, zig-zag sequence layout,
-and the per-layer communication volume of SmallEP and standard expert parallelism.
+"""Distributed prefill as plan data (no jax): the zig-zag sequence layout and the per-layer
+communication volume of SmallEP and standard expert parallelism. The mesh and the
+shard_map maths that use them live in hmoe_jax/parallel/.
 
 Everything here is device-kind agnostic: the mesh is built from `jax.devices()` (real GPUs,
 the stand-in CPU devices of the tests, or every device of a multi-host `jax.distributed`
@@ -17,20 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import jax
 import numpy as np
-from jax.sharding import Mesh
-
-AXIS = "sp"  # the single mesh axis: sequence owners for attention, expert owners for MoE
-
-
-def make_mesh(n_devices: int, devices: list | None = None) -> Mesh:
-    """A 1-D mesh over the first `n_devices` devices (all processes' devices under
-    jax.distributed, in jax.devices() order)."""
-    devs = list(jax.devices() if devices is None else devices)
-    if not 1 <= n_devices <= len(devs):
-        raise ValueError(f"make_mesh: n_devices={n_devices} must be in [1, {len(devs)}] (devices available)")
-    return Mesh(np.array(devs[:n_devices]), (AXIS,))
 
 
 @dataclasses.dataclass(frozen=True)

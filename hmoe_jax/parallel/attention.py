@@ -1,4 +1,4 @@
-"""Context-parallel MLA prefill over the zig-zag sequence split (runtime/dist.py).
+"""Context-parallel MLA prefill over the zig-zag sequence split (plan/dist.py).
 
 Per-rank body for `jax.shard_map`: rank r holds the hidden states of its two chunks
 (r and 2N-1-r, C tokens each). It computes its tokens' queries and latent/k_rope, the
@@ -22,7 +22,7 @@ from hmoe_jax.model.layers import dense_weight, linear, rms_norm
 from hmoe_jax.model.mla import project_kv, project_q
 from hmoe_jax.model.params import LayerParams
 from hmoe_jax.model.rope import apply_rope, rope_cos_sin
-from hmoe_jax.runtime.dist import ZigzagLayout
+from hmoe_jax.plan.dist import ZigzagLayout
 
 
 def _chunk_attention(

@@ -1,0 +1,153 @@
+"""Distributed prefill (DSLP): a prompt over N accelerators, layer by layer.
+
+Per layer: attention by context parallelism over the zig-zag split (dist_attention), the
+FFN on the sequence owners (dense layers) or MoE by SmallEP or standard EP (dist_moe),
+the weights of the layer streamed just before it (dist_stream: each rank receives only its
+experts; non-expert weights are replicated), the next layer's copies issued before the
+current layer computes. Output: the last token's logits and the latent cache in the layout
+single-device decode expects (model.KVCache on one device), so `model.forward` decode steps
+continue from it.
+
+Padding: a prompt of T tokens is padded at the end to a multiple of 2N (token id 0). Pad
+tokens sit after every real token, so the causal mask keeps them out of every real token's
+attention; their own outputs are dropped and their cache slots are zero in the result
+(as in a fresh single-device cache). They do take part in the MoE (as extra rows), which
+changes no real token's result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from hmoe_jax.config import ModelConfig
+from hmoe_jax.model.layers import rms_norm, swiglu
+from hmoe_jax.model.model import embed, final_logits
+from hmoe_jax.model.moe import ExpertFn
+from hmoe_jax.model.params import LayerParams, ModelParams, MoEParams
+from hmoe_jax.parallel.attention import cp_attention_block
+from hmoe_jax.parallel.mesh import AXIS
+from hmoe_jax.parallel.moe import ep_moe, grouped_experts_fn, smallep_moe
+from hmoe_jax.plan.dist import (
+    ZigzagLayout,
+    ep_comm,
+    smallep_comm,
+)
+
+MOE_SCHEMES = ("smallep", "ep")
+DEFAULT_EXPERT_FN = grouped_experts_fn(8)  # grouped GEMMs, 8 local experts dequantized at a time
+
+
+def split_layer(layer: LayerParams) -> tuple[LayerParams, Any]:
+    """(layer without routed experts, the routed experts or None)."""
+    if isinstance(layer.ffn, MoEParams):
+        return dataclasses.replace(layer, ffn=dataclasses.replace(layer.ffn, experts=None)), layer.ffn.experts
+    return layer, None
+
+
+def _ffn_body(
+    layer: LayerParams,
+    experts: Any,
+    h: jax.Array,
+    *,
+    cfg: ModelConfig,
+    n_ranks: int,
+    scheme: str,
+    expert_fn: ExpertFn,
+    capacity: int | None,
+):
+    """Post-attention norm + FFN + residual on one rank. h [B, 2C, D] -> h_out [B, 2C, D];
+    MoE layers also return (ids [B 2C, k], dropped [])."""
+    x = rms_norm(h, layer.ffn_norm, cfg.rms_norm_eps)
+    b, t, d = x.shape
+    if experts is None:
+        return h + swiglu(layer.ffn, x)
+    moe = dataclasses.replace(layer.ffn, experts=experts)
+    xf = x.reshape(b * t, d)
+    if scheme == "smallep":
+        out, ids = smallep_moe(moe, cfg, xf, axis=AXIS, n_ranks=n_ranks, expert_fn=expert_fn)
+        dropped = jnp.zeros((), jnp.int32)
+    else:
+        out, ids, dropped = ep_moe(
+            moe, cfg, xf, axis=AXIS, n_ranks=n_ranks, capacity=capacity, expert_fn=expert_fn
+        )
+    return h + out.reshape(b, t, d), ids, dropped
+
+
+@functools.cache
+def attn_fn(mesh: Mesh, cfg: ModelConfig, layout: ZigzagLayout):
+    """Jitted CP attention block: (layer without experts, h [B, S_pad, D] zig-zag, sharded)
+    -> (h, latent [B, S_pad, R], k_rope [B, S_pad, dr]) (caches replicated, natural order)."""
+    seq = P(None, AXIS)
+    body = lambda layer, h: cp_attention_block(layer, cfg, h, layout, axis=AXIS)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), seq), out_specs=(seq, P(), P())))
+
+
+@functools.cache
+def ffn_fn(mesh: Mesh, cfg: ModelConfig, moe: bool, scheme: str, expert_fn: ExpertFn, capacity: int | None):
+    """Jitted FFN block: (layer without experts, experts sharded P(AXIS) or None, h) -> h
+    (dense) or (h, ids [B S_pad, k] rank-major, dropped) (MoE)."""
+    body = functools.partial(
+        _ffn_body, cfg=cfg, n_ranks=mesh.devices.size, scheme=scheme, expert_fn=expert_fn, capacity=capacity
+    )
+    seq = P(None, AXIS)
+    out_specs = (seq, P(AXIS), P()) if moe else seq
+    return jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P(), P(AXIS) if moe else P(), seq), out_specs=out_specs)
+    )
+
+
+def moe_comm_record(cfg: ModelConfig, n: int, tokens: int, scheme: str, ids: Any, act_bytes: int = 4) -> dict:
+    """This layer's MoE traffic under the scheme that ran and under the other one (from the
+    actual routing `ids` for EP)."""
+    sm = smallep_comm(n, tokens, cfg.hidden_size, act_bytes)
+    ep = ep_comm(np.asarray(ids), n, cfg.n_routed_experts, cfg.hidden_size, act_bytes)
+    return {
+        "moe": (sm if scheme == "smallep" else ep).as_dict(),
+        "moe_alternative": (ep if scheme == "smallep" else sm).as_dict(),
+    }
+
+
+def check_dropped(dropped: Any, layer: int, capacity: int | None) -> None:
+    if int(dropped):
+        raise RuntimeError(
+            f"dist_prefill: standard EP dropped {int(dropped)} (token, expert) pairs in layer {layer} "
+            f"(ep_capacity={capacity}); raise the capacity or leave it None"
+        )
+
+
+@functools.cache
+def embed_fn(mesh: Mesh):
+    def body(table, tok):  # tok [B, 2C] -> h [B, 2C, D]
+        return embed(ModelParams(embed=table, layers=(), norm=None, lm_head=None), tok)
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(None, AXIS)), out_specs=P(None, AXIS)))
+
+
+@functools.cache
+def logits_fn(mesh: Mesh, cfg: ModelConfig):
+    """Final norm + lm_head on the sequence owners: h [B, 2C, D] -> [B, 2C, V]."""
+
+    def body(norm, lm_head, h):
+        return final_logits(ModelParams(embed=None, layers=(), norm=norm, lm_head=lm_head), cfg, h)
+
+    seq = P(None, AXIS)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), seq), out_specs=seq))
+
+
+@functools.cache
+def last_logits_fn(cfg: ModelConfig, z_last: int):
+    """lm_head on the last real token only (zig-zag index z_last): h [B, S_pad, D] -> [B, V]."""
+
+    def f(norm, lm_head, h):
+        p = ModelParams(embed=None, layers=(), norm=norm, lm_head=lm_head)
+        return final_logits(p, cfg, h[:, z_last : z_last + 1])[:, 0]
+
+    return jax.jit(f)
