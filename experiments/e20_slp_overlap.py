@@ -39,12 +39,14 @@ from hmoe_jax.runtime.synthetic import random_params  # noqa: E402
 
 
 def overlap_fraction(trace: TraceRecorder) -> float:
-    """Fraction of the copy (h2d) time during which the accelerator was also busy."""
+    """Fraction of the copy time (the C++ copies, track copy:0; h2d slices in traces without
+    it) during which the accelerator was also busy."""
 
     def spans(pred):
         return sorted((s["start_ns"], s["end_ns"]) for s in trace.slices if pred(s["resource"]))
 
-    copies, comp = spans(lambda r: r.startswith("h2d")), spans(lambda r: r.startswith("acc"))
+    copies = spans(lambda r: r == "copy:0") or spans(lambda r: r.startswith("h2d"))
+    comp = spans(lambda r: r.startswith("acc"))
     total = sum(b - a for a, b in copies) or 1
     both = sum(max(0, min(b, d) - max(a, c)) for a, b in copies for c, d in comp)
     return both / total

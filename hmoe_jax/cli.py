@@ -5,7 +5,9 @@ Interfaces are stable (other tools call them):
                 [--temperature T] [--top-p P] [--seed S] [--ignore-eos] [--max-context N] [--json]
                 [--schedule NAME --devices N --trace FILE --link-gbps X --acc-tflops-cap Y --system S]  (hybrid engine)
   hmoe logits   [--checkpoint DIR] --tokens 1,2,3 --out FILE.npy
-  hmoe convert  --checkpoint IN --out OUT [--format fp8|bf16|f32] [--shard-bytes N]
+  hmoe convert  --checkpoint IN --out OUT [--format fp8|bf16|f32|arena] [--shard-bytes N]
+  hmoe plan     (--model NAME | --config FILE) --system S --schedule slp|dslp|cpu|auto --prompt-len T
+                [--kv-rows N] [--max-len L] [--measure/--no-measure] [--json]  (exit 3: does not fit)
 Without --checkpoint, the embedded default (deepseek_v3_tiny, synthetic FP8 weights,
 cached on first use) is used. With --json the LAST stdout line is one JSON object.
 
@@ -159,8 +161,9 @@ def _warmup(run: Run, ids: list[int], max_new_tokens: int, temperature: float, t
     that TTFT and decode times measure execution, not XLA compilation. Returns seconds."""
     import numpy as np
 
-    from hmoe_jax.model.generate import CACHE_BUCKET, generate
+    from hmoe_jax.model.generate import generate
     from hmoe_jax.model.model import forward, init_cache
+    from hmoe_jax.plan.buckets import cache_len
 
     t0 = time.perf_counter()
     n_warm = min(2, max_new_tokens)
@@ -175,12 +178,9 @@ def _warmup(run: Run, ids: list[int], max_new_tokens: int, temperature: float, t
         stop_ids=(),
     )
 
-    def bucket(n: int) -> int:  # generate() rounds the cache length up to CACHE_BUCKET
-        return -(-n // CACHE_BUCKET) * CACHE_BUCKET
-
-    if bucket(len(ids) + max_new_tokens) != bucket(len(ids) + n_warm):
+    if cache_len(len(ids) + max_new_tokens) != cache_len(len(ids) + n_warm):
         # The real run uses a longer cache: its prefill and decode are other shapes.
-        cache = init_cache(run.cfg, 1, bucket(len(ids) + max_new_tokens))
+        cache = init_cache(run.cfg, 1, cache_len(len(ids) + max_new_tokens))
         _, cache = forward(run.params, run.cfg, np.asarray([ids], np.int32), cache, 0, run.expert_fn)
         logits, _ = forward(
             run.params, run.cfg, np.asarray([ids[-1:]], np.int32), cache, len(ids), run.expert_fn
@@ -226,8 +226,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     source = "--tokens" if args.tokens is not None else f"--prompt (encoded by {run.tokenizer.name})"
     check_context(len(ids), args.max_new_tokens, run, source)
     temperature, top_p = float(args.temperature), float(args.top_p)
-    if args.schedule is not None:
+    # A real checkpoint runs the hybrid engine (auto) unless told otherwise: the plain
+    # one-device model.generate cannot hold a real-scale model. The embedded tiny default
+    # keeps the plain path unless --schedule is given.
+    schedule = args.schedule or ("auto" if getattr(args, "checkpoint", None) else "none")
+    if schedule != "none":
+        args.schedule = schedule
         return cmd_generate_engine(args, run, ids)
+    if args.top_k:
+        raise InputError(
+            "--top-k needs the hybrid engine (--schedule NAME); the plain path has temperature/top-p"
+        )
     warmup_s = 0.0 if args.no_warmup else _warmup(run, ids, args.max_new_tokens, temperature, top_p)
     res = generate(
         run.params,
@@ -269,9 +278,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument(
         "--schedule",
-        choices=sorted(set(schedule_names()) | {"dslp"}),
+        choices=sorted(set(schedule_names()) | {"dslp", "none"}),
         default=None,
-        help="run the hybrid engine with this prefill schedule (decode: routed experts on the CPU)",
+        help="run the hybrid engine with this prefill schedule (decode: routed experts on the CPU); "
+        "default: auto with --checkpoint, none (plain one-device model.generate) for the embedded model",
+    )
+    p.add_argument(
+        "--precision",
+        choices=["bf16", "f32"],
+        default="bf16",
+        help="engine accelerator precision: bf16 activations/cache with f32 accumulation (default), or f32",
+    )
+    p.add_argument(
+        "--top-k", type=int, default=0, help="keep the k most likely tokens when sampling (0 = off)"
     )
     p.add_argument(
         "--devices", type=int, default=None, help="accelerators (stand-in CPU devices without a GPU)"
@@ -296,12 +315,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_generate_engine(args: argparse.Namespace, run: Run, ids: list[int]) -> int:
     from hmoe_jax.engine.engine import Engine
+    from hmoe_jax.model.sampling import SamplingParams
     from hmoe_jax.plan.system import SystemSpec, load_system
     from hmoe_jax.plan.trace import TraceRecorder
     from hmoe_jax.schedules.registry import SCHEDULES
 
-    if args.temperature != 0.0:
-        raise InputError(f"--schedule runs greedy decoding; --temperature must be 0, got {args.temperature}")
+    sampling = SamplingParams(
+        temperature=float(args.temperature),
+        top_p=float(args.top_p),
+        top_k=int(args.top_k),
+        seed=int(args.seed),
+    )
+    try:
+        sampling.validate()
+    except ValueError as e:
+        raise InputError(str(e)) from None
     if args.schedule not in SCHEDULES:
         raise InputError(
             f"--schedule {args.schedule}: not registered in this build (registered: {sorted(SCHEDULES)})"
@@ -325,6 +353,9 @@ def cmd_generate_engine(args: argparse.Namespace, run: Run, ids: list[int]) -> i
             system=system,
             link_gbps=args.link_gbps,
             acc_tflops_cap=args.acc_tflops_cap,
+            precision=args.precision,
+            max_batch=1,
+            max_len=len(ids) + args.max_new_tokens,
         )
         stops = () if args.ignore_eos else None
         t0 = time.perf_counter()
@@ -332,7 +363,9 @@ def cmd_generate_engine(args: argparse.Namespace, run: Run, ids: list[int]) -> i
             eng.generate(ids, min(2, args.max_new_tokens), schedule=args.schedule, stop_ids=())
         warmup_s = time.perf_counter() - t0 if not args.no_warmup else 0.0
         trace = TraceRecorder() if args.trace is not None else None
-        res = eng.generate(ids, args.max_new_tokens, schedule=args.schedule, stop_ids=stops, trace=trace)
+        res = eng.generate(
+            ids, args.max_new_tokens, schedule=args.schedule, stop_ids=stops, trace=trace, sampling=sampling
+        )
     except (PlacementError, ScheduleError) as e:
         raise InputError(str(e)) from None
     if trace is not None:
@@ -350,8 +383,10 @@ def cmd_generate_engine(args: argparse.Namespace, run: Run, ids: list[int]) -> i
     if args.json:
         record = {
             **_generate_record(run, ids, res, text, warmup_s),
-            "temperature": 0.0,
-            "top_p": args.top_p,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k,
+            "precision": args.precision,
             "seed": args.seed,
             "schedule": res.schedule,
             "schedule_requested": args.schedule,
@@ -388,9 +423,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     if args.shard_bytes is not None and args.shard_bytes <= 0:
         raise InputError(f"--shard-bytes must be > 0, got {args.shard_bytes}")
-    convert_checkpoint(
-        args.checkpoint, args.out, fmt=args.format, shard_bytes=args.shard_bytes, progress=not args.quiet
-    )
+    if args.format == "arena":  # the shared host weight arena (hmoe_jax.io.arena); no shards
+        from hmoe_jax.io.arena import write_arena
+
+        write_arena(args.checkpoint, args.out, progress=not args.quiet)
+    else:
+        convert_checkpoint(
+            args.checkpoint, args.out, fmt=args.format, shard_bytes=args.shard_bytes, progress=not args.quiet
+        )
     print(f"wrote {args.out} ({args.format})")
     return 0
 
@@ -427,12 +467,16 @@ def build_parser() -> argparse.ArgumentParser:
     cv = sub.add_parser("convert", help="convert a checkpoint (e.g. bf16/f32 -> DeepSeek FP8)")
     cv.add_argument("--checkpoint", type=Path, required=True, help="input checkpoint dir")
     cv.add_argument("--out", type=Path, required=True, help="output checkpoint dir")
-    cv.add_argument("--format", choices=sorted(FORMATS), default="fp8")
+    cv.add_argument("--format", choices=[*sorted(FORMATS), "arena"], default="fp8")
     cv.add_argument(
         "--shard-bytes", type=int, default=DEFAULT_CONVERT_SHARD_BYTES, help="max bytes per shard"
     )
     cv.add_argument("--quiet", action="store_true")
     cv.set_defaults(func=cmd_convert)
+
+    from hmoe_jax.cli_plan import add_plan_parser
+
+    add_plan_parser(sub)  # hmoe plan: memory and time budget of a plan, no weights
     return ap
 
 

@@ -91,9 +91,13 @@ def test_generate_matches_hf_greedy(hf_case, capsys):
     prompt = [int(t) for t in np.random.default_rng(6).integers(3, cfg.vocab_size, size=6)]
     n_new = 16
     argv = ["generate", "--checkpoint", d, "--tokens", ",".join(map(str, prompt)), "--max-new-tokens", n_new]
-    rc, stdout, _ = _run([*argv, "--ignore-eos", "--json", "--quiet", "--no-warmup"], capsys)
+    # --checkpoint runs the hybrid engine (auto); the f32 policy is the HF-parity one.
+    rc, stdout, _ = _run(
+        [*argv, "--ignore-eos", "--json", "--quiet", "--no-warmup", "--precision", "f32"], capsys
+    )
     assert rc == 0
     rec = json.loads(stdout.strip().splitlines()[-1])
+    assert rec["schedule_requested"] == "auto" and rec["precision"] == "f32"
     ref = hf_greedy(model, prompt, n_new)
     assert rec["tokens"] == ref, f"{name}: ours {rec['tokens']} != HF {ref}"
     assert rec["prompt_tokens"] == len(prompt) and rec["prompt_ids"] == prompt

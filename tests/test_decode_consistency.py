@@ -10,8 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hmoe_jax.model.generate import CACHE_BUCKET, generate, teacher_forced_logits
+from hmoe_jax.model.generate import generate, teacher_forced_logits
 from hmoe_jax.model.model import forward, init_cache
+from hmoe_jax.plan.buckets import CACHE_BUCKET
 from tests.hf_ref import build_hf_model, params_from_state, tiny_config
 
 P, N = 9, 24  # prompt tokens, generated tokens: sequences of 33, teacher-forced T = 32

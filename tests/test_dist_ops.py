@@ -36,7 +36,8 @@ from hmoe_jax.plan.dist import (
     smallep_beats_ep,
     smallep_comm,
 )
-from tests.test_dist_params import random_params, tiny_config
+from hmoe_jax.runtime.synthetic import random_params
+from tests.test_dist_params import tiny_config
 
 REL_TOL = 1e-5
 
@@ -77,7 +78,7 @@ def test_zigzag_layout_exhaustive(n):
 @pytest.mark.parametrize("n,t", [(1, 13), (2, 16), (2, 13), (4, 13)])
 def test_cp_attention_matches_attention_block(n, t):
     cfg = tiny_config()
-    layer = jax.tree.map(jnp.asarray, random_params(cfg, seed=1).layers[0])
+    layer = jax.tree.map(jnp.asarray, random_params(cfg, seed=1, fp8=False).layers[0])
     b = 2
     h = np.random.default_rng(t + n).standard_normal((b, t, cfg.hidden_size)).astype(np.float32)
     lay = ZigzagLayout.for_sequence(t, n)
@@ -102,7 +103,7 @@ def test_cp_attention_matches_attention_block(n, t):
 
 def test_cp_attention_rejects_wrong_shard():
     cfg = tiny_config()
-    layer = random_params(cfg).layers[0]
+    layer = random_params(cfg, fp8=False).layers[0]
     lay = ZigzagLayout.for_sequence(16, 2)
     f = jax.shard_map(
         lambda lp, x: cp_attention_block(lp, cfg, x, lay, axis=AXIS),
@@ -195,7 +196,7 @@ def test_moe_schemes_with_grouped_experts(scheme):
 
 def test_ep_reports_dropped_pairs_when_capacity_is_short():
     cfg = tiny_config()
-    moe = jax.tree.map(jnp.asarray, random_params(cfg, seed=2).layers[-1].ffn)
+    moe = jax.tree.map(jnp.asarray, random_params(cfg, seed=2, fp8=False).layers[-1].ffn)
     x = np.random.default_rng(3).standard_normal((24, cfg.hidden_size)).astype(np.float32)
     ids = np.asarray(route(moe, cfg, jnp.asarray(x))[0])
     n, el, cap = 2, cfg.n_routed_experts // 2, 3
@@ -209,7 +210,7 @@ def test_ep_reports_dropped_pairs_when_capacity_is_short():
 
 def test_moe_rejects_indivisible_expert_count():
     cfg = tiny_config("kimi_k2_tiny")  # 24 experts
-    moe = random_params(cfg).layers[-1].ffn
+    moe = random_params(cfg, fp8=False).layers[-1].ffn
     moe = moe.replace(experts=jax.tree.map(lambda a: a[:18], moe.experts))
     cfg18 = tiny_config("kimi_k2_tiny", n_routed_experts=18)
     with pytest.raises(ValueError, match="n_routed_experts=18 is not divisible by the number of ranks 4"):
@@ -295,7 +296,7 @@ def collective_bytes(lowered_text: str, n: int) -> dict[str, int]:
 @pytest.mark.parametrize("n", [2, 4])
 def test_accounting_matches_compiled_collectives(n):
     cfg = tiny_config()
-    moe = random_params(cfg).layers[-1].ffn
+    moe = random_params(cfg, fp8=False).layers[-1].ffn
     t = 24
     x = jax.ShapeDtypeStruct((t, cfg.hidden_size), jnp.float32)
     mesh = make_mesh(n)
@@ -329,6 +330,6 @@ def test_accounting_matches_compiled_collectives(n):
             out_specs=(P(None, AXIS), P(), P()),
         )
     )
-    cp = collective_bytes(f.lower(random_params(cfg).layers[0], h).as_text(), n)
+    cp = collective_bytes(f.lower(random_params(cfg, fp8=False).layers[0], h).as_text(), n)
     assert cp["all_gather"] == cp_attention_comm(n, lay.padded_len, cfg.cache_dim).all_gather_bytes
     assert cp["reduce_scatter"] == cp["all_to_all"] == 0

@@ -26,8 +26,9 @@ from hmoe_jax.parallel.mesh import make_mesh
 from hmoe_jax.plan.system import SystemSpec
 from hmoe_jax.quant.fp8 import Fp8Tensor
 from hmoe_jax.runtime.dist_stream import RankStreamer
+from hmoe_jax.runtime.synthetic import random_params
 from tests.test_dist_ops import assert_close
-from tests.test_dist_params import random_params, tiny_config
+from tests.test_dist_params import tiny_config
 
 # 3 layers (1 dense, 2 MoE) keep the reference compile short.
 CFG = tiny_config("deepseek_v3_tiny", num_hidden_layers=3, first_k_dense_replace=1)
@@ -55,7 +56,9 @@ def _case(fp8: bool):
 def _engine(fp8: bool, n: int) -> Engine:
     # experts_ref on the host: the reference rollout uses it too (the FFI op rounds to bf16).
     cfg = CFG if fp8 else CFG_F32
-    return Engine(_case(fp8)[0], cfg, devices=n, system=SystemSpec(num_accelerators=n), expert_fn="ref")
+    return Engine(
+        _case(fp8)[0], cfg, devices=n, system=SystemSpec(num_accelerators=n), expert_fn="ref", precision="f32"
+    )
 
 
 CASES = [

@@ -19,9 +19,10 @@ from hmoe_jax.plan import costs
 from hmoe_jax.plan.costs import layer_rest_bytes
 from hmoe_jax.plan.format import Plan
 from hmoe_jax.plan.system import SystemSpec
+from hmoe_jax.runtime.synthetic import random_params
 from hmoe_jax.schedules.base import ScheduleError
 from hmoe_jax.schedules.registry import get_schedule
-from tests.test_dist_params import random_params, tiny_config
+from tests.test_dist_params import tiny_config
 
 
 def _cfg(fp8: bool):
@@ -97,7 +98,7 @@ def test_engine_run_streams_each_ranks_experts_once(name):
     params = random_params(cfg, seed=3, fp8=True)
     prompt = [int(t) for t in np.random.default_rng(7).integers(2, cfg.vocab_size, 13)]
     n = 2
-    eng = Engine(params, cfg, devices=n, expert_fn="ref")
+    eng = Engine(params, cfg, devices=n, expert_fn="ref", precision="f32")
     try:
         trace = TraceRecorder()
         cache = eng.new_cache(64)
@@ -149,7 +150,7 @@ def test_trace_shows_each_ranks_next_layer_copy_overlapping_compute(mode):
     params = random_params(cfg, seed=3, fp8=True)
     # ~0.8 MB of experts per rank and layer at 0.1 GB/s: ~8 ms copies; compute capped so its
     # slices are long enough to see (emulation only, no performance claim).
-    eng = Engine(params, cfg, devices=2, link_gbps=0.1, acc_tflops_cap=1e-4, expert_fn="ref")
+    eng = Engine(params, cfg, devices=2, link_gbps=0.1, acc_tflops_cap=1e-4, expert_fn="ref", precision="f32")
     try:
         ids = np.arange(2, 18)
         eng.prefill(ids, eng.new_cache(64), "dslp", mode=mode)  # compile

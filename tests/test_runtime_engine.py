@@ -31,7 +31,7 @@ def test_hybrid_decode_with_ffi_experts_matches_model_generate_with_the_same_exp
     cfg, params = fp8_model()
     prompt = list(range(3, 13))
     ref = generate(params, cfg, prompt, 5, expert_fn=moe_experts, stop_ids=())
-    eng = Engine(params, cfg, expert_fn="auto")
+    eng = Engine(params, cfg, expert_fn="auto", precision="f32")
     assert eng.expert_fn_name == "auto"
     res = eng.generate(prompt, 5, schedule="cpu", stop_ids=())
     assert res.tokens == ref.tokens
@@ -43,7 +43,7 @@ def test_placement_errors_are_one_line_and_name_the_numbers():
     with pytest.raises(PlacementError, match=">= 1"):
         make_placement(0)
     cfg, params = fp8_model()
-    eng = Engine(params, cfg, expert_fn="ref")
+    eng = Engine(params, cfg, expert_fn="ref", precision="f32")
     with pytest.raises(ScheduleError, match="unknown schedule 'nope'"):
         eng.generate([1, 2, 3], 2, schedule="nope")
     with pytest.raises(ValueError, match="out of range"):
@@ -85,8 +85,10 @@ def test_cli_engine_flag_errors(tmp_path, capsys):
     from hmoe_jax import cli
 
     base = ["generate", "--tokens", "5,6", "--quiet", "--no-warmup"]
-    assert cli.main([*base, "--schedule", "slp", "--temperature", "0.5"]) == 1
-    assert "--temperature must be 0" in capsys.readouterr().err
+    assert cli.main([*base, "--schedule", "slp", "--top-k", "-2"]) == 1
+    assert "top_k must be >= 0" in capsys.readouterr().err
+    assert cli.main([*base, "--top-k", "5"]) == 1  # the plain path has no top-k
+    assert "--top-k needs the hybrid engine" in capsys.readouterr().err
     assert cli.main([*base, "--schedule", "slp", "--link-gbps", "0"]) == 1
     assert "--link-gbps must be > 0" in capsys.readouterr().err
     assert cli.main([*base, "--schedule", "slp", "--acc-tflops-cap", "-1"]) == 1
@@ -101,7 +103,7 @@ def test_decode_placement_routed_experts_on_host_rest_on_accelerator(monkeypatch
     from hmoe_jax.runtime import executor as X
 
     cfg, params = fp8_model()
-    eng = Engine(params, cfg, devices=2, expert_fn="ref")
+    eng = Engine(params, cfg, devices=2, expert_fn="ref", precision="f32")
     host, acc = eng.placement.host, eng.placement.acc
     assert host != acc and acc == eng.placement.accelerators[0]
     where: dict[str, set] = {}
@@ -145,7 +147,7 @@ def test_executor_errors_surface_without_hanging(mode, monkeypatch):
     from hmoe_jax.runtime import executor as X
 
     cfg, params = fp8_model()
-    eng = Engine(params, cfg, expert_fn="ref")
+    eng = Engine(params, cfg, expert_fn="ref", precision="f32")
     run = X.Run(cfg, eng.weights, eng.new_cache(64), np.zeros((1, 4), np.int32), 0, eng.host_expert_fn)
 
     def boom(run, op):

@@ -11,8 +11,8 @@ import pytest
 
 from hmoe_jax.model.params import ExpertsParams
 from hmoe_jax.quant.fp8 import quantize_np
-from hmoe_jax.runtime.placement import aligned_empty
-from hmoe_jax.runtime.staging import StagingError, StagingRing, ffi_wait, slot_layout
+from hmoe_jax.quant.hostmem import aligned_empty
+from hmoe_jax.runtime.staging import StagingError, StagingRing, _inplace_put, ffi_wait, slot_layout
 
 pytest.importorskip("_hmoe_ffi", reason="the compiled extension is needed (tools/build_ffi.sh)")
 
@@ -110,3 +110,99 @@ def test_expert_slot_views_alias_the_arena_zero_copy():
     dev = jax.device_put(v, jax.devices("cpu")[1])  # a stand-in accelerator
     assert dev.gate.w.unsafe_buffer_pointer() == ring.slot_ptr(1) + fields[0].offset
     assert ring.views(1, fields, 2, experts) is v  # cached: the same views every reuse
+
+
+def test_back_to_back_fills_are_paced_as_one_link():
+    """Fills queued while the link is busy are paced from the previous fill's due time (a
+    FIFO link at the cap): fill k ends no earlier than (k + 1) * bytes / rate after the first
+    starts, and a copy thread that wakes late does not lower the throughput below the cap
+    by much (loose upper bound: a shared machine)."""
+    nbytes, gbps, n = 2 * 2**20, 0.4, 4
+    ring = StagingRing(n, nbytes, copy_threads=2, link_gbps=gbps)
+    src = np.ones(nbytes, np.uint8)
+    for s in range(n):
+        ring.fill(s, [(src, 0)])
+    times = [ring.wait(s) for s in range(n)]
+    per_s = nbytes / (gbps * 1e9)
+    first = times[0][0]
+    for k, (_, end) in enumerate(times):
+        assert (end - first) / 1e9 >= (k + 1) * per_s * 0.999
+    assert all(times[k + 1][0] >= times[k][1] for k in range(n - 1)), "the link copies one fill at a time"
+    assert (times[-1][1] - first) / 1e9 < 2.0 * n * per_s
+
+
+def _aligned_experts(e=6, i=128, d=256, seed=1):
+    from hmoe_jax.quant.fp8 import Fp8Tensor
+
+    rng = np.random.default_rng(seed)
+    q = [quantize_np(rng.normal(size=s).astype(np.float32)) for s in ((e, i, d), (e, i, d), (e, d, i))]
+
+    def aligned(x):
+        out = aligned_empty(x.shape, x.dtype)
+        out[...] = x
+        return out
+
+    return ExpertsParams(*[Fp8Tensor(w=aligned(t.w), scale_inv=aligned(t.scale_inv)) for t in q])
+
+
+def _same_bytes(dev, experts, lo, hi) -> bool:
+    got, want = jax.tree_util.tree_leaves(dev), jax.tree_util.tree_leaves(experts)
+    return all(
+        np.array_equal(np.asarray(g).view(np.uint8), w[lo:hi].view(np.uint8)) for g, w in zip(got, want)
+    )
+
+
+def test_device_ring_alias_is_the_slot_itself():
+    experts = _aligned_experts()
+    fields, nbytes = slot_layout(experts, 2)
+    ring = StagingRing(2, nbytes, device_ring="alias")
+    acc = jax.devices("cpu")[1]
+    seen = []
+    for lo in (0, 2, 4):
+        ring.fill_experts(0, experts, lo, lo + 2, fields)
+        ring.wait(0)
+        dev = ring.to_device(0, fields, 2, experts, acc)
+        # read through fresh numpy views: a jax array caches its first host copy
+        assert np.array_equal(
+            ring.views(0, fields, 2, experts).down.w.view(np.uint8),
+            experts.down.w[lo : lo + 2].view(np.uint8),
+        )
+        seen.append(dev)
+        ring.release(0)
+    assert all(d is seen[0] for d in seen), "alias mode: the same device arrays every reuse"
+    assert seen[0].gate.w.unsafe_buffer_pointer() == ring.slot_ptr(0) + fields[0].offset
+    assert list(ring.device_buffers()) == [(0, 2, acc)]
+    ring.close()
+
+
+def test_device_ring_inplace_overwrites_fixed_buffers():
+    """The GPU mode, run on a stand-in: per slot device buffers allocated once, then written in
+    place (donated, FFI result aliased to its operand) by hmoe_staging_put: same addresses
+    every reuse, the slot's bytes every time, and nothing new allocated."""
+    experts = _aligned_experts()
+    fields, nbytes = slot_layout(experts, 2)
+    ring = StagingRing(2, nbytes, device_ring="inplace")
+    acc = jax.devices("cpu")[1]
+    with pytest.raises(StagingError, match="slot 1 is not filled"):
+        ring.to_device(1, fields, 2, experts, acc)
+    ring.fill_experts(1, experts, 0, 2, fields)
+    ring.wait(1)
+    views = jax.tree_util.tree_leaves(ring.views(1, fields, 2, experts))
+    offsets = tuple(v.ctypes.data - ring.slot_ptr(1) for v in views)
+    fresh = [jax.numpy.zeros(v.shape, v.dtype, device=acc) for v in views]  # not the ring's buffers
+    with pytest.raises(Exception, match="not bound to a ring slot"):
+        jax.block_until_ready(_inplace_put(ring.handle, offsets)(fresh))
+    ring.release(1)
+    ptrs = {}
+    for _ in range(2):
+        for slot, lo in ((0, 4), (1, 2), (0, 0), (1, 4)):
+            ring.fill_experts(slot, experts, lo, lo + 2, fields)
+            ring.wait(slot)
+            dev = jax.block_until_ready(ring.to_device(slot, fields, 2, experts, acc))
+            assert _same_bytes(dev, experts, lo, lo + 2)
+            p = tuple(a.unsafe_buffer_pointer() for a in jax.tree_util.tree_leaves(dev))
+            assert ptrs.setdefault(slot, p) == p, f"slot {slot}'s device buffers moved"
+            assert p[0] != ring.slot_ptr(slot) + fields[0].offset  # a copy, unlike alias mode
+            ring.release(slot)
+    assert sorted(k[0] for k in ring.device_buffers()) == [0, 1]
+    ring.close()

@@ -59,6 +59,7 @@ def engine(dtype: str, devices: int) -> Engine:
         devices=devices,
         system=dataclasses.replace(SYSTEM, num_accelerators=devices),
         expert_fn="ref",
+        precision="f32",
     )
 
 

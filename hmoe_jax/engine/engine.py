@@ -1,9 +1,14 @@
-"""The hybrid engine: prefill with a registered schedule, decode with the paper's placement
-(attention, shared experts, dense layers, embeddings, lm_head on the accelerator; routed
-experts on the host CPU; hidden states hop per layer).
+"""The hybrid engine: prefill with a registered schedule, decode many sequences in one step
+with the paper's placement (attention, shared experts, dense layers, embeddings, lm_head
+on the accelerator; routed experts on the host CPU, the whole batch as M = B rows of the
+fused MoE op; hidden states hop per layer). Sequences own rows of a KV pool
+(runtime/kvpool.py); each decode step takes the rows and their own positions.
 
-    eng = Engine(params, cfg, devices=1)
+    eng = Engine(params, cfg, devices=1)                       # bf16 policy by default
     res = eng.generate(prompt_ids, max_new_tokens=16, schedule="slp", trace=TraceRecorder())
+    seqs = [eng.start(p, SamplingParams(max_new_tokens=8)) for p in prompts]   # admit
+    while any(not s.done for s in seqs):
+        eng.step([s for s in seqs if not s.done])                # one batched decode step
 """
 
 from __future__ import annotations
@@ -18,17 +23,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from hmoe_jax.config import ModelConfig
-from hmoe_jax.model.generate import CACHE_BUCKET, _check_prompt
+from hmoe_jax.model.generate import check_prompt
 from hmoe_jax.model.moe import ExpertFn, experts_ref
 from hmoe_jax.model.params import ModelParams
+from hmoe_jax.model.precision import Precision, policy
+from hmoe_jax.model.sampling import SamplingParams, sample_batch
+from hmoe_jax.plan.buckets import cache_len
 from hmoe_jax.plan.format import Plan
 from hmoe_jax.plan.system import SystemSpec
 from hmoe_jax.plan.trace import TraceRecorder
 from hmoe_jax.runtime import dist_exec as _dist_ops  # noqa: F401  (registers the dslp/ep op kinds)
 from hmoe_jax.runtime import executor as X
 from hmoe_jax.runtime import placement as P
+from hmoe_jax.runtime.kvpool import KVPool, PoolExhausted
 from hmoe_jax.runtime.staging import StagingRing
-from hmoe_jax.runtime.state import LayerCache, PlacedWeights
+from hmoe_jax.runtime.state import PlacedWeights
 from hmoe_jax.schedules.registry import get_schedule
 
 
@@ -56,6 +65,27 @@ def expert_fn_named(name: str, cfg: ModelConfig | None = None) -> ExpertFn:
     raise ValueError(f"expert_fn {name!r}: expected 'auto', 'ref' or 'ffi'")
 
 
+def precision_for(name: str, placement: P.Placement) -> Precision:
+    """The named policy for this placement. On CPU stand-ins the bf16 policy's weight
+    matmuls go through our FFI kernels (they run on the host CPU the stand-in is)."""
+    if not placement.stand_in or name == "f32" or not ffi_moe_available():
+        return policy(name, cpu=placement.stand_in)
+    from hmoe_jax.kernels import ffi, gemm
+
+    have = ffi.register_all()
+
+    def hook(fn_name: str, target: str):
+        return getattr(gemm, fn_name, None) if target in have else None
+
+    return policy(
+        name,
+        cpu=True,
+        fp8_matmul=hook("fp8_matmul", "hmoe_fp8_gemm"),
+        bf16_matmul=hook("bf16_matmul", "hmoe_bf16_gemm"),
+        fp8_head_matmul=hook("fp8_head_matmul", "hmoe_fp8_bmv"),
+    )
+
+
 @dataclasses.dataclass
 class EngineResult:
     tokens: list[int]
@@ -68,11 +98,35 @@ class EngineResult:
     streamed_bytes: int  # expert bytes the prefill streamed host -> accelerator
 
 
+@dataclasses.dataclass
+class SeqState:
+    """One request in the engine: its pool row, sampling parameters and progress."""
+
+    prompt: np.ndarray  # [T] int32
+    params: SamplingParams
+    row: int
+    pos: int  # cache position of the next token to feed (= prompt + generated - 1 after prefill)
+    tokens: list[int] = dataclasses.field(default_factory=list)  # generated (a stop id included)
+    done: bool = False
+    finish_reason: str | None = None  # "stop" | "length"
+    schedule: str = ""
+    ttft_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: list[float] = dataclasses.field(default_factory=list)
+    prefill_logits: np.ndarray | None = None
+    plan_meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+    streamed_bytes: int = 0
+    stops: frozenset[int] = frozenset()
+
+
 class Engine:
-    """Options: devices (accelerators), system (SystemSpec), link_gbps (cap host->acc copies;
-    emulation, never for performance claims), acc_tflops_cap (stand-in compute cap),
-    expert_fn ('auto' | 'ref' | 'ffi' | an ExpertFn) for the host experts, mode (executor mode of the
-    prefill), decode_mode, copy_threads (staging ring)."""
+    """Options: devices (accelerators), system (SystemSpec), precision ('bf16' default:
+    bf16 activations and cache, f32 accumulation; 'f32' for parity), max_batch / max_len
+    (the KV pool: rows and tokens per row; or kv_budget_bytes for the rows), link_gbps
+    (cap host->acc copies; emulation, never for performance claims), acc_tflops_cap
+    (stand-in compute cap), expert_fn ('auto' | 'ref' | 'ffi' | an ExpertFn) for the host
+    experts, mode (executor mode of the prefill), decode_mode, copy_threads (staging ring),
+    attn (prefill attention options: form, q_block, k_block)."""
 
     def __init__(
         self,
@@ -81,29 +135,52 @@ class Engine:
         *,
         devices: int = 1,
         system: SystemSpec | None = None,
+        precision: str = "bf16",
+        max_batch: int = 8,
+        max_len: int | None = None,
+        kv_budget_bytes: int | None = None,
         link_gbps: float | None = None,
         acc_tflops_cap: float | None = None,
         expert_fn: str | ExpertFn = "auto",
         mode: str = "pipelined",
         decode_mode: str = "async",
         copy_threads: int = 2,
+        attn: dict[str, Any] | None = None,
     ):
         self.cfg = cfg
         self.placement = P.make_placement(devices)
         self.system = system or SystemSpec(num_accelerators=devices)
-        self.weights = PlacedWeights.place(params, cfg, self.placement)
+        self.prec = precision_for(precision, self.placement)
+        self.weights = PlacedWeights.place(params, cfg, self.placement, self.prec)
         self.link_gbps, self.acc_tflops_cap = link_gbps, acc_tflops_cap
         fn = expert_fn_named(expert_fn, cfg) if isinstance(expert_fn, str) else expert_fn
         self.expert_fn_name = expert_fn if isinstance(expert_fn, str) else getattr(fn, "__name__", "custom")
         self.host_expert_fn = X.jit_host_expert_fn(fn)
         self.mode, self.decode_mode = mode, decode_mode
         self.copy_threads = copy_threads
+        self.attn = dict(attn or {})
         self._rings: dict[tuple[int, int], StagingRing] = {}
         self._decode_plans: dict[int, Plan] = {}
+        self.max_len = cache_len(min(max_len or 4096, cfg.max_position_embeddings))
+        if kv_budget_bytes is not None:
+            from hmoe_jax.runtime.kvpool import rows_for_budget
+
+            max_batch = rows_for_budget(cfg, kv_budget_bytes, self.max_len, self.prec.cache_dtype)
+        self.max_batch = int(max_batch)
+        self._pool: KVPool | None = None
 
     @property
     def devices(self) -> int:
         return len(self.placement.accelerators)
+
+    @property
+    def pool(self) -> KVPool:
+        """The engine's KV pool (max_batch rows of max_len tokens), created on first use."""
+        if self._pool is None:
+            self._pool = KVPool.create(
+                self.cfg, self.max_batch, self.max_len, self.placement.acc, self.prec.cache_dtype
+            )
+        return self._pool
 
     def ring_for(self, plan: Plan) -> StagingRing | None:
         """The staging ring a plan needs, created once per (slots, slot_bytes) and reused."""
@@ -123,26 +200,32 @@ class Engine:
             self.cfg, self.system, num_tokens, devices=s.uses_devices(self.devices), start_pos=start_pos
         )
 
-    def new_cache(self, max_len: int) -> LayerCache:
-        return LayerCache.zeros(self.cfg, 1, max_len, self.placement.acc)
+    def new_cache(self, max_len: int, rows: int = 1) -> KVPool:
+        """A private pool (default one row) for driving prefill/decode by hand."""
+        return KVPool.create(self.cfg, rows, max_len, self.placement.acc, self.prec.cache_dtype)
 
     def run_plan(
         self,
         plan: Plan,
         tokens: np.ndarray,
-        cache: LayerCache,
-        start_pos: int = 0,
+        cache: KVPool,
+        start_pos: int | np.ndarray = 0,
         *,
+        rows: np.ndarray | None = None,
         mode: str | None = None,
         trace: TraceRecorder | None = None,
     ) -> tuple[X.Run, float]:
+        tokens = np.asarray(tokens, np.int32)
         run = X.Run(
             self.cfg,
             self.weights,
             cache,
-            np.asarray(tokens, np.int32).reshape(1, -1),
+            tokens.reshape(1, -1) if tokens.ndim == 1 else tokens,
             start_pos,
             self.host_expert_fn,
+            rows=rows,
+            prec=self.prec,
+            attn=self.attn,
             ring=self.ring_for(plan),
             trace=trace,
             link_gbps=self.link_gbps,
@@ -157,36 +240,128 @@ class Engine:
     def prefill(
         self,
         ids: np.ndarray,
-        cache: LayerCache,
+        cache: KVPool,
         schedule: str = "auto",
         *,
+        row: int = 0,
         all_logits: bool = False,
         mode: str | None = None,
         trace: TraceRecorder | None = None,
         **options: Any,
     ):
-        """ids [T] -> (logits [T or 1, V] on the accelerator, Run, seconds, plan)."""
+        """ids [T] into pool row `row` -> (logits [T or 1, V] on the accelerator, Run, seconds, plan)."""
         plan = self.plan(schedule, len(ids), 0, all_logits=all_logits, **options)
-        run, secs = self.run_plan(plan, ids, cache, 0, mode=mode, trace=trace)
+        rows = np.array([row], np.int32)
+        run, secs = self.run_plan(plan, ids, cache, 0, rows=rows, mode=mode, trace=trace)
         logits = jnp.concatenate([lg[0] for lg in run.logits], axis=0)
         return logits, run, secs, plan
 
-    def decode_step(
-        self, tok: int, pos: int, cache: LayerCache, trace: TraceRecorder | None = None
-    ) -> jax.Array:
-        """One token at position `pos` with the decode placement -> logits [V]."""
-        # The decode plan's structure does not depend on pos (only attention FLOPs do): build
-        # it once; with a trace, build the exact one so the recorded plan meta is right.
+    def decode_plan(self, batch: int, trace: TraceRecorder | None = None, pos: int = 0) -> Plan:
+        # The decode plan's structure does not depend on positions (only attention FLOPs do):
+        # build it once per batch size; with a trace, the exact one for the recorded meta.
         if trace is not None:
-            plan = self.plan("cpu", 1, pos)
-        else:
-            if 1 not in self._decode_plans:
-                self._decode_plans[1] = self.plan("cpu", 1, 0)
-            plan = self._decode_plans[1]
+            return self.plan("cpu", 1, pos, batch=batch)
+        if batch not in self._decode_plans:
+            self._decode_plans[batch] = self.plan("cpu", 1, 0, batch=batch)
+        return self._decode_plans[batch]
+
+    def decode_rows(
+        self,
+        toks: np.ndarray,
+        rows: np.ndarray,
+        pos: np.ndarray,
+        cache: KVPool,
+        trace: TraceRecorder | None = None,
+    ) -> jax.Array:
+        """One batched decode step: token toks[b] of pool row rows[b] at position pos[b] -> logits [B, V]."""
+        b = len(rows)
+        plan = self.decode_plan(b, trace, int(np.max(pos)))
         run, _ = self.run_plan(
-            plan, np.array([[tok]], np.int32), cache, pos, mode=self.decode_mode, trace=trace
+            plan,
+            np.asarray(toks, np.int32).reshape(b, 1),
+            cache,
+            np.asarray(pos, np.int32),
+            rows=np.asarray(rows, np.int32),
+            mode=self.decode_mode,
+            trace=trace,
         )
-        return run.logits[-1][0, -1]
+        self.last_run = run  # for inspection (experiments read traced runs' values)
+        return run.logits[-1][:, -1]
+
+    def decode_step(
+        self, tok: int, pos: int, cache: KVPool, trace: TraceRecorder | None = None, row: int = 0
+    ) -> jax.Array:
+        """One token of one sequence at position `pos` -> logits [V]."""
+        return self.decode_rows(np.array([tok]), np.array([row]), np.array([pos]), cache, trace)[0]
+
+    # ------------------------------------------------------------ sequences
+
+    def start(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        schedule: str = "auto",
+        trace: TraceRecorder | None = None,
+        all_logits: bool = False,
+        **options: Any,
+    ) -> SeqState:
+        """Admit a request: take a pool row, prefill the prompt with `schedule`, sample the
+        first token. Raises PoolExhausted (nothing allocated) when the pool is full."""
+        params = (params or SamplingParams()).validate()
+        ids = check_prompt(self.cfg, prompt_ids, params.max_new_tokens)
+        row = self.pool.alloc(ids.size + params.max_new_tokens)
+        stops = frozenset(self.cfg.eos_ids if params.stop_ids is None else params.stop_ids)
+        seq = SeqState(ids, params, row, ids.size, stops=stops)
+        try:
+            t0 = time.perf_counter()
+            logits, run, prefill_s, plan = self.prefill(
+                ids, self.pool, schedule, row=row, all_logits=all_logits, trace=trace, **options
+            )
+            tok = int(sample_batch(logits[-1:], [params], [0])[0])
+        except BaseException:
+            self.pool.free(row)
+            raise
+        seq.ttft_s = time.perf_counter() - t0
+        seq.schedule, seq.prefill_s, seq.plan_meta = plan.schedule, prefill_s, dict(plan.meta)
+        seq.prefill_logits = np.asarray(logits)
+        seq.streamed_bytes = sum(run.streamed_bytes.values())
+        self._append(seq, tok)
+        return seq
+
+    def _append(self, seq: SeqState, tok: int) -> None:
+        seq.tokens.append(tok)
+        if tok in seq.stops:
+            seq.done, seq.finish_reason = True, "stop"
+        elif len(seq.tokens) >= seq.params.max_new_tokens:
+            seq.done, seq.finish_reason = True, "length"
+        if seq.done:
+            self.pool.free(seq.row)
+
+    def step(self, seqs: list[SeqState], trace: TraceRecorder | None = None) -> list[int]:
+        """One decode step for every sequence in `seqs` (not done) as one batch -> their new tokens."""
+        if not seqs:
+            return []
+        if any(s.done for s in seqs):
+            raise ValueError("engine.step: a finished sequence was passed")
+        t0 = time.perf_counter()
+        rows = np.array([s.row for s in seqs], np.int32)
+        pos = np.array([s.pos for s in seqs], np.int32)
+        toks = np.array([s.tokens[-1] for s in seqs], np.int32)
+        logits = self.decode_rows(toks, rows, pos, self.pool, trace)
+        new = sample_batch(logits, [s.params for s in seqs], [len(s.tokens) for s in seqs])
+        dt = time.perf_counter() - t0
+        for s, tok in zip(seqs, new.tolist()):
+            s.pos += 1
+            s.decode_s.append(dt)
+            self._append(s, int(tok))
+        return new.tolist()
+
+    def cancel(self, seq: SeqState) -> None:
+        """Stop a sequence now and free its row."""
+        if not seq.done:
+            seq.done, seq.finish_reason = True, "cancelled"
+            self.pool.free(seq.row)
 
     def generate(
         self,
@@ -197,39 +372,34 @@ class Engine:
         stop_ids: Sequence[int] | None = None,
         trace: TraceRecorder | None = None,
         all_logits: bool = False,
+        sampling: SamplingParams | None = None,
         **options: Any,
     ) -> EngineResult:
-        """Greedy batch-1 generation (the reference rollout's contract: a stop id is
-        returned and ends generation)."""
-        ids = _check_prompt(self.cfg, prompt_ids, max_new_tokens)
-        stops = set(self.cfg.eos_ids if stop_ids is None else stop_ids)
-        max_len = -(-(ids.size + max_new_tokens) // CACHE_BUCKET) * CACHE_BUCKET
-        cache = self.new_cache(max_len)
-        t0 = time.perf_counter()
-        logits, run, prefill_s, plan = self.prefill(
-            ids, cache, schedule, all_logits=all_logits, trace=trace, **options
+        """One sequence (greedy unless `sampling` says otherwise; a stop id is returned and
+        ends generation, the reference rollout's contract)."""
+        params = dataclasses.replace(
+            sampling or SamplingParams(),
+            max_new_tokens=max_new_tokens,
+            stop_ids=None if stop_ids is None else tuple(stop_ids),
         )
-        tok = int(jnp.argmax(logits[-1]))
-        ttft_s = time.perf_counter() - t0
-        tokens, decode_s, pos = [tok], [], ids.size
-        while len(tokens) < max_new_tokens and tok not in stops:
-            t1 = time.perf_counter()
-            tok = int(jnp.argmax(self.decode_step(tok, pos, cache, trace)))
-            decode_s.append(time.perf_counter() - t1)
-            tokens.append(tok)
-            pos += 1
+        seq = self.start(prompt_ids, params, schedule=schedule, trace=trace, all_logits=all_logits, **options)
+        while not seq.done:
+            self.step([seq], trace)
         return EngineResult(
-            tokens,
-            ttft_s,
-            decode_s,
-            plan.schedule,
-            prefill_s,
-            np.asarray(logits),
-            dict(plan.meta),
-            sum(run.streamed_bytes.values()),
+            seq.tokens,
+            seq.ttft_s,
+            seq.decode_s,
+            seq.schedule,
+            seq.prefill_s,
+            seq.prefill_logits,
+            seq.plan_meta,
+            seq.streamed_bytes,
         )
 
     def close(self) -> None:
         for r in self._rings.values():
             r.close()
         self._rings.clear()
+
+
+__all__ = ["Engine", "EngineResult", "PoolExhausted", "SamplingParams", "SeqState", "precision_for"]

@@ -233,11 +233,20 @@ class _Loader:
 
 
 def load_checkpoint(
-    path: str | Path, *, progress: bool = True, upcast_f32: bool = False
+    path: str | Path, *, progress: bool = True, upcast_f32: bool = False, arena: bool | None = None
 ) -> tuple[ModelConfig, ModelParams]:
     """Load a checkpoint directory. `upcast_f32` converts non-expert bf16/f16 leaves to
     float32 copies (for f32 compute without per-call converts); FP8 and experts stay as
-    stored. Raises ConfigError / CheckpointError with one-line messages."""
+    stored. `arena`: None (default) maps an arena directory (hmoe_jax.io.arena) as such and
+    reads safetensors as below; True converts safetensors once into the cached shared arena
+    and maps that; False never treats `path` as an arena. Raises ConfigError /
+    CheckpointError with one-line messages."""
+    if arena is not False:
+        from hmoe_jax.io import arena as ar
+
+        if arena or ar.is_arena(path):
+            root = path if ar.is_arena(path) else ar.ensure_arena(path, progress=progress)
+            return ar.load_arena(root, upcast_f32=upcast_f32, progress=progress)
     t0 = time.perf_counter()
     root = Path(path)
     if not root.is_dir():

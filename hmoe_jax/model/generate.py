@@ -20,10 +20,7 @@ from hmoe_jax.config import ModelConfig
 from hmoe_jax.model.model import forward, init_cache
 from hmoe_jax.model.moe import ExpertFn, experts_ref
 from hmoe_jax.model.params import ModelParams
-
-# The cache length is rounded up to this many tokens so that prompts of similar length
-# share one compiled prefill/decode (masked slots cost a little attention work only).
-CACHE_BUCKET = 64
+from hmoe_jax.plan.buckets import CACHE_BUCKET, cache_len  # noqa: F401  (re-exported for engine.engine)
 
 
 @dataclasses.dataclass
@@ -95,7 +92,7 @@ def generate(
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"generate: need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
     stops = set(cfg.eos_ids if stop_ids is None else stop_ids)
-    max_len = -(-(ids.size + max_new_tokens) // CACHE_BUCKET) * CACHE_BUCKET
+    max_len = cache_len(ids.size + max_new_tokens)
     # Once, and finished before the clock starts: later calls reuse the device buffers.
     params = jax.block_until_ready(jax.device_put(params))
     cache = init_cache(cfg, 1, max_len)
@@ -127,6 +124,6 @@ def teacher_forced_logits(
     """Logits [T, V] f32 of every position of `ids` (one prefill, no sampling). The cache is
     bucketed like generate's, so both share compiled prefills."""
     arr = check_prompt(cfg, ids, 1)[None, :]  # [1, T]
-    max_len = -(-arr.shape[1] // CACHE_BUCKET) * CACHE_BUCKET
+    max_len = cache_len(arr.shape[1])
     logits, _ = forward(params, cfg, arr, init_cache(cfg, 1, max_len), 0, expert_fn)
     return np.asarray(logits)[0]

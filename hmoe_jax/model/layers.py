@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from hmoe_jax.model.params import FFNParams, Weight
+from hmoe_jax.model.precision import Precision
 from hmoe_jax.quant.fp8 import Fp8Tensor, dequantize
 
 
@@ -31,8 +32,11 @@ def dense_weight(w: Weight, dtype: Any = jnp.float32) -> jax.Array:
     return jnp.asarray(w).astype(dtype)
 
 
-def linear(x: jax.Array, w: Weight, dtype: Any = jnp.float32) -> jax.Array:
-    """x [..., in] @ w[out, in].T -> [..., out] in `dtype`."""
+def linear(x: jax.Array, w: Weight, dtype: Any = jnp.float32, *, prec: Precision | None = None) -> jax.Array:
+    """x [..., in] @ w[out, in].T -> [..., out] in `dtype`; with a non-exact precision
+    policy, in the policy's activation dtype with f32 accumulation (policy_linear)."""
+    if prec is not None and not prec.exact:
+        return policy_linear(x, w, prec).astype(prec.act_dtype)
     wd = dense_weight(w, dtype)
     if wd.ndim != 2 or x.shape[-1] != wd.shape[-1]:
         raise ValueError(
@@ -41,6 +45,28 @@ def linear(x: jax.Array, w: Weight, dtype: Any = jnp.float32) -> jax.Array:
     return jnp.einsum("...k,nk->...n", x.astype(dtype), wd)
 
 
-def swiglu(p: FFNParams, x: jax.Array) -> jax.Array:
-    """down(silu(gate x) * up x): the dense FFN and the shared expert(s). [..., D] -> [..., D]"""
-    return linear(jax.nn.silu(linear(x, p.gate)) * linear(x, p.up), p.down)
+def policy_linear(x: jax.Array, w: Weight, prec: Precision) -> jax.Array:
+    """x [..., K] @ w[N, K].T -> [..., N] f32 under a bf16 policy. FP8 weights go to the
+    policy's FP8 matmul hook (no dequantised copy) or are dequantised to bf16 inside this
+    computation, one matrix at a time; bf16 weights to the bf16 hook or a bf16 dot; f32
+    weights (f32 test models) run as stored."""
+    if isinstance(w, Fp8Tensor):
+        if prec.fp8_matmul is not None:
+            return prec.fp8_matmul(x, w)
+        wd = dequantize(w, jnp.bfloat16)
+    else:
+        wd = jnp.asarray(w)
+        if wd.dtype == jnp.bfloat16 and prec.bf16_matmul is not None:
+            return prec.bf16_matmul(x, wd)
+    dt = prec.dot_dtype if wd.dtype == jnp.bfloat16 else wd.dtype
+    return jnp.einsum("...k,nk->...n", x.astype(dt), wd.astype(dt), preferred_element_type=jnp.float32)
+
+
+def swiglu(p: FFNParams, x: jax.Array, prec: Precision | None = None) -> jax.Array:
+    """down(silu(gate x) * up x): the dense FFN and the shared expert(s). [..., D] -> [..., D]
+    (f32, or the policy's activation dtype with silu(g) * u rounded to it before down)."""
+    if prec is None or prec.exact:
+        return linear(jax.nn.silu(linear(x, p.gate)) * linear(x, p.up), p.down)
+    g = policy_linear(x, p.gate, prec)
+    u = policy_linear(x, p.up, prec)
+    return linear((jax.nn.silu(g) * u).astype(prec.act_dtype), p.down, prec=prec)

@@ -32,6 +32,12 @@ class MLAParams:
     q_a_norm: Array | None = None  # [q_lora_rank]
     q_b: Weight | None = None  # [H * qk_head_dim, q_lora_rank]
     q: Weight | None = None  # [H * qk_head_dim, D]
+    # Absorbed-attention weights derived from kv_b at placement (runtime/placement.py), not in
+    # checkpoints: arrays w_uk [H, dn, R] / w_uv [H, dv, R] in the policy's dtype, or, for the
+    # per-head FP8 kernel, Fp8Tensors w_uk [H, R, dn] (kv_b's 128x128 blocks transposed:
+    # exact, same scales) / w_uv [H, dv, R]. None: derived from kv_b inside the computation.
+    w_uk: Weight | None = None
+    w_uv: Weight | None = None
 
 
 @struct.dataclass

@@ -4,7 +4,11 @@ f32 block scales; f32 models: 4 bytes/weight)."""
 
 from __future__ import annotations
 
+import functools
+import math
+
 from hmoe_jax.config import ModelConfig
+from hmoe_jax.plan.system import SystemSpec
 
 
 def _w_bytes(cfg: ModelConfig, n: int, k: int) -> int:
@@ -38,19 +42,118 @@ def shared_flops(cfg: ModelConfig, tokens: int) -> int:
     return 2 * tokens * 3 * cfg.hidden_size * cfg.moe_intermediate_size * cfg.n_shared_experts
 
 
-def attn_flops(cfg: ModelConfig, tokens: int, start_pos: int = 0) -> int:
-    """MLA projections plus causal attention over the (latent-expanded) keys."""
+# model/attention.py's form threshold and key-block rule, restated here because the plan
+# layer imports no model code (tests/test_plan_memory.py pins them equal).
+EXPANDED_MIN_TOKENS = 256
+
+
+def attn_form(form: str, tokens: int) -> str:
+    """The attention form a chunk of `tokens` new tokens runs: model.attention.resolve_form."""
+    if form == "auto":
+        return "expanded" if tokens >= EXPANDED_MIN_TOKENS else "absorbed"
+    if form not in ("absorbed", "expanded"):
+        raise ValueError(f"attention form {form!r}: expected auto, absorbed or expanded")
+    return form
+
+
+def key_block(k_block: int, cache_len: int) -> int:
+    """The key block prefill attention uses: a divisor of the cache length."""
+    return math.gcd(int(k_block), int(cache_len))
+
+
+def decode_kv_len(tokens: int, max_len: int | None = None) -> int:
+    """Cache slots a decode step reads (runtime.executor.decode_kv_len): `tokens` rounded up
+    to a power of two >= 64, capped at the row length."""
+    n = max(64, 1 << (max(tokens, 1) - 1).bit_length())
+    return n if max_len is None else min(int(max_len), n)
+
+
+def attn_proj_flops(cfg: ModelConfig, q_rows: int, kv_rows: int) -> int:
+    """MLA projections: q (LoRA or plain) and o_proj on q_rows rows, kv_a on kv_rows rows."""
     d, h = cfg.hidden_size, cfg.num_attention_heads
-    qk, v, r = cfg.qk_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-    if cfg.q_lora_rank is None:
-        proj = d * h * qk
-    else:
-        proj = d * cfg.q_lora_rank + cfg.q_lora_rank * h * qk
-    proj += d * cfg.cache_dim + r * h * (cfg.qk_nope_head_dim + v) + h * v * d
-    # average causal context per query token
-    ctx = start_pos + (tokens + 1) / 2
-    core = h * (qk + v) * ctx
-    return int(2 * tokens * (proj + core))
+    qk, v = cfg.qk_head_dim, cfg.v_head_dim
+    q = d * h * qk if cfg.q_lora_rank is None else d * cfg.q_lora_rank + cfg.q_lora_rank * h * qk
+    return 2 * (q_rows * (q + h * v * d) + kv_rows * d * cfg.cache_dim)
+
+
+def attn_flops(
+    cfg: ModelConfig,
+    tokens: int,
+    start_pos: int = 0,
+    *,
+    rows: int = 1,
+    form: str = "auto",
+    q_block: int = 1024,
+    k_block: int = 512,
+    cache_len: int | None = None,
+) -> int:
+    """FLOPs of model/attention.py exactly as it runs (dots only; a multiply-add = 2).
+
+    tokens == 1: a decode step of `rows` rows at position start_pos, absorbed form over
+    decode_kv_len(start_pos + 1) slots: q -> latent (W_uk), scores H (R + dr) and P.V H R per
+    slot, latent -> v (W_uv). tokens > 1: a prefill chunk of one sequence at start_pos in a
+    cache row of cache_len slots (default: the chunk's end, bucketed). Query blocks of
+    bq = min(q_block, T) tokens (the last one padded: its projections run on bq rows) each
+    walk the causal key blocks: block i visits ceil((start + (i+1) bq) / bk) blocks of
+    bk = key_block(k_block, cache_len) keys (clipped to the cache). Expanded form (T >= 256
+    under "auto"): every visited key block goes through kv_b again (bk R H (dn + dv)),
+    scores H (dn + dr) and P.V H dv per query-key pair. Absorbed form: per query W_uk and
+    W_uv (H dn R each), per pair H (R + dr) + H R."""
+    h, r, dr = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    dn, dv = cfg.qk_nope_head_dim, cfg.v_head_dim
+    if tokens == 1:
+        slots = decode_kv_len(start_pos + 1, cache_len)
+        per_row = 2 * h * (dn * r + slots * (2 * r + dr) + r * dv)
+        return rows * (attn_proj_flops(cfg, 1, 1) + per_row)
+    if rows != 1:
+        raise ValueError(f"attn_flops: a prefill chunk is one sequence, got rows={rows}")
+    from hmoe_jax.plan.buckets import cache_len as bucket
+
+    s = bucket(cache_len if cache_len is not None else start_pos + tokens)
+    form = attn_form(form, tokens)
+    bq = min(q_block, tokens)
+    bk = key_block(k_block, s)
+    n_qb = -(-tokens // bq)
+    total = attn_proj_flops(cfg, n_qb * bq, tokens)
+    for i in range(n_qb):
+        keys = min(-(-(start_pos + (i + 1) * bq) // bk), s // bk) * bk
+        if form == "expanded":
+            total += 2 * keys * r * h * (dn + dv) + 2 * bq * keys * h * (dn + dr + dv)
+        else:
+            total += 2 * bq * h * (dn * r + r * dv) + 2 * bq * keys * h * (2 * r + dr)
+    return total
+
+
+def cp_attn_flops(cfg: ModelConfig, padded_tokens: int, ranks: int) -> int:
+    """Per-rank FLOPs of parallel/attention.py (context-parallel, absorbed form, from
+    position 0): a rank's 2C tokens (C = padded_tokens / 2N) are projected and absorbed,
+    its query chunks r and 2N-1-r visit r+1 and 2N-r key chunks of C keys: 2N+1 chunk pairs.
+    W_uk / W_uv are applied per token; scores H (R + dr) and P.V H R per pair."""
+    h, r, dr = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    dn, dv = cfg.qk_nope_head_dim, cfg.v_head_dim
+    c = padded_tokens // (2 * ranks)
+    local = 2 * c
+    pairs = (2 * ranks + 1) * c * c
+    return (
+        attn_proj_flops(cfg, local, local) + 2 * local * h * (dn * r + r * dv) + 2 * pairs * h * (2 * r + dr)
+    )
+
+
+# The dtype an accelerator's GEMMs run in under each precision policy (model/precision.py).
+# bf16: activations x activations in bf16 and FP8 weights dequantised to bf16 inside the
+# computation that uses them, so bf16 x bf16 -> f32 dots: the bf16 tensor rate. No true FP8
+# GEMM runs on the accelerator path today (the FP8 kernels are the CPU stand-in's hooks), so
+# acc_fp8_tflops prices nothing the engine runs; it is the rate an FP8 GEMM would reach.
+# f32 (and the dslp path in parallel/, which computes in f32): the fp32 rate.
+POLICY_GEMM_DTYPE = {"bf16": "bf16", "f32": "fp32"}
+
+
+def acc_flops_per_s(system: SystemSpec, dtype: str) -> float:
+    """One accelerator's dense rate for GEMMs in `dtype` ("fp32" | "bf16" | "fp8")."""
+    rates = {"fp32": system.acc_fp32_tflops, "bf16": system.acc_bf16_tflops, "fp8": system.acc_fp8_tflops}
+    if dtype not in rates:
+        raise ValueError(f"acc_flops_per_s: dtype {dtype!r}, expected one of {sorted(rates)}")
+    return rates[dtype] * 1e12
 
 
 def router_flops(cfg: ModelConfig, tokens: int) -> int:
@@ -85,14 +188,20 @@ def _stored_bytes(cfg: ModelConfig, shape: tuple[int, ...], quantized: bool) -> 
 def layer_rest_bytes(cfg: ModelConfig, layer: int) -> int:
     """Bytes of a layer's non-expert weights as stored (FP8 + f32 scales for quantized
     tensors, f32 for the rest): what dslp streams to every rank per layer."""
+    return rest_bytes_by_layer(cfg)[layer]
+
+
+@functools.lru_cache(maxsize=16)
+def rest_bytes_by_layer(cfg: ModelConfig) -> tuple[int, ...]:
+    """layer_rest_bytes of every layer, from one pass over the tensor list (cached: the
+    list of a DeepSeek-V3 config has ~47K entries, and plans ask per layer and rank)."""
     from hmoe_jax.plan.tensors import expected_tensors
 
-    prefix = f"model.layers.{layer}."
-    return sum(
-        _stored_bytes(cfg, s.shape, s.quantized)
-        for s in expected_tensors(cfg)
-        if s.name.startswith(prefix) and ".mlp.experts." not in s.name
-    )
+    out = [0] * cfg.num_hidden_layers
+    for s in expected_tensors(cfg):
+        if s.name.startswith("model.layers.") and ".mlp.experts." not in s.name:
+            out[int(s.name.split(".")[2])] += _stored_bytes(cfg, s.shape, s.quantized)
+    return tuple(out)
 
 
 # Sub-array alignment inside a staging-ring slot (>= 64 for zero-copy device_put on CPU);

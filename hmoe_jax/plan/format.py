@@ -34,6 +34,7 @@ OP_KINDS = (
     "d2h",  # hidden states (x, ids, weights) accelerator -> host
     "experts_cpu",  # routed experts on the host CPU (ExpertFn)
     "h2d",  # routed-expert output host -> accelerator
+    "stage",  # queue the host memcpy of a group of experts into its staging slot (slp)
     "load",  # stream a group of a layer's experts host -> a ring slot on the accelerator
     "experts_acc",  # grouped GEMM of the experts held in one ring slot
     "unload",  # release a ring slot (the loader may refill it)

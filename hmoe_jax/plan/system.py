@@ -1,11 +1,16 @@
 """What a schedule needs to know about the machine: link and accelerator rates, memory,
-and the auto-policy thresholds. Read from configs/systems/<name>.json (a file shared with
-the simulator: keys the engine does not use are ignored there, never invented here)."""
+and the auto-policy thresholds. Read from configs/systems/<name>.json, strictly like model
+configs: an unknown key is a ConfigError naming it (a typo must not fall back to a
+default), "comment" is the one documentation key, and every value is checked (type, > 0).
+
+Accelerator compute is priced per dtype (acc_fp32/bf16/fp8_tflops: dense tensor rates of
+one accelerator) so a cost model charges the dtype that actually runs."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +22,12 @@ class SystemSpec:
     name: str = "local"
     num_accelerators: int = 1
     h2d_gbps: float = 56.0  # host -> accelerator copy rate (PCIe 5.0 x16 measured, PAPER.md)
-    acc_tflops: float = 419.0  # dense FP8 tensor throughput of one accelerator (RTX 5090)
+    # one accelerator's dense throughput per dtype (RTX 5090 public specs; FP8 with f32
+    # accumulate) and its memory
+    acc_fp32_tflops: float = 105.0
+    acc_bf16_tflops: float = 209.0
+    acc_fp8_tflops: float = 419.0
+    acc_mem_gbps: float = 1792.0  # GDDR7
     acc_mem_bytes: int = 32 * 2**30
     cpu_mem_gbps: float = 1228.0  # host DRAM bandwidth (decode experts are bound by it)
     # auto policy (PAPER.md: below ~4K tokens SLP does not help)
@@ -26,29 +36,36 @@ class SystemSpec:
     cpu_prefill_chunk_tokens: int = 2048
     slp_experts_per_slot: int = 1
 
+    def __post_init__(self) -> None:
+        for key in _FIELDS:  # validated here too, so SystemSpec(...) in code is checked
+            object.__setattr__(self, key, _check_value(key, getattr(self, key), "SystemSpec"))
 
-_FIELDS = {f.name: f for f in dataclasses.fields(SystemSpec)}
+
+_TYPES = {"str": str, "int": int, "float": float}
+_FIELDS = {f.name: _TYPES[str(f.type)] for f in dataclasses.fields(SystemSpec)}  # key -> type
+_DOC_KEYS = frozenset({"comment"})  # documentation only: accepted, not stored
+_RULES = {str: "a non-empty string", int: "an int >= 1", float: "a finite number > 0"}
+
+
+def _check_value(key: str, v: Any, where: str) -> Any:
+    """v as the field's type; ConfigError naming the key if it is the wrong type or <= 0."""
+    want = _FIELDS[key]
+    if want is str:
+        ok = isinstance(v, str) and v != ""
+    elif want is int:  # a bool is a Python int, never a count here; 2.0 is not an int either
+        ok = isinstance(v, int) and not isinstance(v, bool) and v >= 1
+    else:  # a JSON integer is a fine rate ("h2d_gbps": 25)
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+    if not ok:
+        raise ConfigError(f"{where}: key {key!r} must be {_RULES[want]}, got {v!r}")
+    return want(v)
 
 
 def system_from_dict(d: dict[str, Any], where: str = "system") -> SystemSpec:
-    kw: dict[str, Any] = {}
-    for key, f in _FIELDS.items():
-        if key in d:
-            want = {"str": str, "int": int, "float": float}[
-                f.type if isinstance(f.type, str) else f.type.__name__
-            ]
-            try:
-                kw[key] = want(d[key])
-            except (TypeError, ValueError):
-                raise ConfigError(f"{where}: key {key!r} must be {want.__name__}, got {d[key]!r}") from None
-    spec = SystemSpec(**kw)
-    if spec.h2d_gbps <= 0 or spec.acc_tflops <= 0:
-        raise ConfigError(
-            f"{where}: h2d_gbps and acc_tflops must be > 0, got {spec.h2d_gbps}, {spec.acc_tflops}"
-        )
-    if spec.slp_experts_per_slot < 1 or spec.cpu_prefill_chunk_tokens < 1:
-        raise ConfigError(f"{where}: slp_experts_per_slot and cpu_prefill_chunk_tokens must be >= 1")
-    return spec
+    unknown = set(d) - set(_FIELDS) - _DOC_KEYS
+    if unknown:
+        raise ConfigError(f"{where}: unknown system key(s) {sorted(unknown)}; known: {sorted(_FIELDS)}")
+    return SystemSpec(**{k: _check_value(k, v, where) for k, v in d.items() if k in _FIELDS})
 
 
 def load_system(name_or_path: str) -> SystemSpec:

@@ -60,7 +60,7 @@ class TraceRecorder:
 
 def _track_order(resource: str) -> tuple[int, str]:
     kind = resource.split(":")[0]
-    rank = {"h2d": 0, "acc": 1, "unload": 2, "d2h": 3, "cpu_experts": 4}.get(kind, 5)
+    rank = {"stage": 0, "copy": 0, "h2d": 0, "acc": 1, "unload": 2, "d2h": 3, "cpu_experts": 4}.get(kind, 5)
     return rank, resource
 
 

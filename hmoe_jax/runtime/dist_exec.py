@@ -74,12 +74,14 @@ def _state(run: Run) -> DslpState:
 
 @functools.cache
 def _cache_writer(t: int):
-    """cache [B, S_max, X] <- new[:, :t] (natural-order rows of the real tokens)."""
-    return jax.jit(lambda c, new: c.at[:, :t].set(new[:, :t].astype(c.dtype)), donate_argnums=0)
+    """pool layer [N, S_max, X] <- new[0, :t] at row `row` (natural-order rows of the real tokens)."""
+    return jax.jit(lambda c, new, row: c.at[row, :t].set(new[0, :t].astype(c.dtype)), donate_argnums=0)
 
 
 @register_op_kind("dslp_embed")
 def _embed(run: Run, op: Op) -> list:
+    if run.tokens.shape[0] != 1:
+        raise PlanError(f"op {op.id}: dslp prefills one sequence, got {run.tokens.shape[0]}")
     if run.start_pos != 0:
         raise PlanError(f"op {op.id}: dslp prefills from position 0, got start_pos={run.start_pos}")
     n = int(op.args["ranks"])
@@ -157,8 +159,9 @@ def _attn(run: Run, op: Op) -> list:
     h, lat, rop = attn_fn(st.mesh, run.cfg, st.layout)(rest, run.vals["dslp_h"])
     t = run.tokens.shape[1]
     acc = run.weights.placement.acc
-    run.cache.latent[i] = _cache_writer(t)(run.cache.latent[i], jax.device_put(lat, acc))
-    run.cache.rope[i] = _cache_writer(t)(run.cache.rope[i], jax.device_put(rop, acc))
+    row = np.int32(run.rows[0])
+    run.cache.latent[i] = _cache_writer(t)(run.cache.latent[i], jax.device_put(lat, acc), row)
+    run.cache.rope[i] = _cache_writer(t)(run.cache.rope[i], jax.device_put(rop, acc), row)
     run.vals["dslp_h"] = h
     return [h, run.cache.latent[i], run.cache.rope[i]]
 

@@ -29,11 +29,13 @@ import numpy as np
 
 from hmoe_jax.config import ModelConfig
 from hmoe_jax.model.moe import ExpertFn
+from hmoe_jax.model.precision import F32, Precision
 from hmoe_jax.plan.format import Op, Plan, PlanError
 from hmoe_jax.plan.trace import TraceRecorder
 from hmoe_jax.runtime import pieces
+from hmoe_jax.runtime.kvpool import KVPool
 from hmoe_jax.runtime.staging import StagingRing, slot_layout
-from hmoe_jax.runtime.state import LayerCache, PlacedWeights
+from hmoe_jax.runtime.state import PlacedWeights
 
 MODES = ("pipelined", "serial", "async")
 Handler = Callable[["Run", Op], list[Any]]
@@ -56,10 +58,13 @@ class Run:
 
     cfg: ModelConfig
     weights: PlacedWeights
-    cache: LayerCache
-    tokens: np.ndarray  # [B, T] int32, the plan's new tokens
-    start_pos: int
+    cache: KVPool
+    tokens: np.ndarray  # [B, T] int32, the plan's new tokens: B rows decoding (T == 1) or one prefill chunk
+    start_pos: int | np.ndarray  # position of tokens[:, 0]: an int (all rows) or [B]
     host_expert_fn: Callable  # jitted ExpertFn on host-device arrays
+    rows: np.ndarray | None = None  # [B] pool rows of the sequences (None: rows 0..B-1)
+    prec: Precision = F32
+    attn: dict[str, Any] = dataclasses.field(default_factory=dict)  # form, q_block, k_block (prefill)
     ring: StagingRing | None = None
     trace: TraceRecorder | None = None
     link_gbps: float | None = None  # cap for activation hops too (weights: the ring's cap)
@@ -69,13 +74,33 @@ class Run:
     streamed_bytes: dict[int, int] = dataclasses.field(default_factory=dict)  # layer -> bytes loaded
     plan_index: int = 0  # which of the trace's plans this run is (slice arg "plan")
 
+    def __post_init__(self) -> None:
+        b = self.tokens.shape[0]
+        self.rows = np.arange(b, dtype=np.int32) if self.rows is None else np.asarray(self.rows, np.int32)
+        self.positions = np.broadcast_to(np.asarray(self.start_pos, np.int32), (b,)).copy()
+
     @property
     def acc(self) -> jax.Device:
         return self.weights.placement.acc
 
+    def attn_args(self, t0: int, t1: int) -> tuple[tuple, dict]:
+        """(rows, positions) operands and the static options of an attention piece for the
+        new tokens [t0, t1): decode steps attend over the rows' first kv_len slots."""
+        pos = self.positions + t0
+        kw = dict(prec=self.prec, **self.attn)
+        if t1 - t0 == 1:
+            kw["kv_len"] = decode_kv_len(int(pos.max()) + 1, self.cache.max_len)
+        return (self.rows, pos), kw
+
     def span(self, op: Op) -> tuple[int, int]:
         t0, t1 = op.args.get("tokens", (0, self.tokens.shape[1]))
         return int(t0), int(t1)
+
+
+def decode_kv_len(tokens: int, max_len: int) -> int:
+    """Static prefix a decode step reads: `tokens` (max position + 1) rounded up to a power
+    of two >= 64 (a few compiled shapes per batch size), capped at the row length."""
+    return min(max_len, max(64, 1 << (max(tokens, 1) - 1).bit_length()))
 
 
 # ---------------------------------------------------------------- handlers
@@ -85,16 +110,17 @@ class Run:
 def _embed(run: Run, op: Op) -> list:
     t0, t1 = run.span(op)
     tok = jax.device_put(run.tokens[:, t0:t1], run.acc)
-    h = pieces.embed(run.weights.acc.embed, tok)
+    h = pieces.embed(run.weights.acc.embed, tok, run.prec)
     run.vals[("h", t0)] = h
     return [h]
 
 
 @register_op_kind("attn")
 def _attn(run: Run, op: Op) -> list:
-    t0, _ = run.span(op)
+    t0, t1 = run.span(op)
     i = op.layer
     lp = run.weights.acc.layers[i]
+    pos_args, kw = run.attn_args(t0, t1)
     h, lat, rope = pieces.attention(
         lp.attn_norm,
         lp.attn,
@@ -102,7 +128,8 @@ def _attn(run: Run, op: Op) -> list:
         run.vals[("h", t0)],
         run.cache.latent[i],
         run.cache.rope[i],
-        np.int32(run.start_pos + t0),
+        *pos_args,
+        **kw,
     )
     run.cache.latent[i], run.cache.rope[i] = lat, rope
     run.vals[("h", t0)] = h
@@ -112,7 +139,7 @@ def _attn(run: Run, op: Op) -> list:
 @register_op_kind("dense_ffn")
 def _dense(run: Run, op: Op) -> list:
     t0, _ = run.span(op)
-    h = pieces.dense_ffn(run.weights.acc.layers[op.layer], run.cfg, run.vals[("h", t0)])
+    h = pieces.dense_ffn(run.weights.acc.layers[op.layer], run.cfg, run.vals[("h", t0)], run.prec)
     run.vals[("h", t0)] = h
     return [h]
 
@@ -120,7 +147,7 @@ def _dense(run: Run, op: Op) -> list:
 @register_op_kind("route")
 def _route(run: Run, op: Op) -> list:
     t0, _ = run.span(op)
-    x, ids, w = pieces.route_tokens(run.weights.acc.layers[op.layer], run.cfg, run.vals[("h", t0)])
+    x, ids, w = pieces.route_tokens(run.weights.acc.layers[op.layer], run.cfg, run.vals[("h", t0)], run.prec)
     run.vals[("route", op.layer, t0)] = (x, ids, w)
     return [x, ids, w]
 
@@ -129,23 +156,25 @@ def _route(run: Run, op: Op) -> list:
 def _shared(run: Run, op: Op) -> list:
     t0, _ = run.span(op)
     x = run.vals[("route", op.layer, t0)][0]
-    s = pieces.shared(run.weights.acc.layers[op.layer].ffn.shared, x)
+    s = pieces.shared(run.weights.acc.layers[op.layer].ffn.shared, x, run.prec)
     run.vals[("shared", op.layer, t0)] = s
     return [s]
 
 
 @register_op_kind("attn_route")
 def _attn_route(run: Run, op: Op) -> list:
-    t0, _ = run.span(op)
+    t0, t1 = run.span(op)
     i = op.layer
     fn = pieces.attn_route_shared if op.args.get("with_shared") else pieces.attn_route
+    pos_args, kw = run.attn_args(t0, t1)
     h, lat, rope, x, packed = fn(
         run.weights.acc.layers[i],
         run.cfg,
         run.vals[("h", t0)],
         run.cache.latent[i],
         run.cache.rope[i],
-        np.int32(run.start_pos + t0),
+        *pos_args,
+        **kw,
     )
     run.cache.latent[i], run.cache.rope[i] = lat, rope
     run.vals[("h", t0)] = h
@@ -180,6 +209,10 @@ def _experts_cpu(run: Run, op: Op) -> list:
     t0, _ = run.span(op)
     moved = run.vals.pop(("route_host", op.layer, t0))
     experts = run.weights.host_experts_dev[op.layer]
+    if run.trace is not None:  # distinct experts this op reads (traced runs only: a host sync)
+        d, k = run.cfg.hidden_size, run.cfg.num_experts_per_tok
+        ids = np.asarray(moved[0])[:, d : d + k] if len(moved) == 1 else np.asarray(moved[1])
+        run.vals[("touched", op.layer, t0)] = int(np.unique(ids).size)
     if len(moved) == 1:
         fn = _packed_expert_fn(run.host_expert_fn, run.cfg.hidden_size, run.cfg.num_experts_per_tok)
         y = fn(moved[0], experts)
@@ -197,25 +230,59 @@ def _h2d(run: Run, op: Op) -> list:
     return [y]
 
 
-@register_op_kind("load")
-def _load(run: Run, op: Op) -> list:
-    """Loader: fill the slot from the host arena (C++ copy threads), then hand the slot to
-    the accelerator (zero-copy view on a stand-in, a host->device copy on a GPU)."""
+def _staging_ring(run: Run, op: Op) -> StagingRing:
     if run.ring is None:
         raise PlanError(
-            f"op {op.id} (load) needs a staging ring; the engine creates one for plans with ring_slots"
+            f"op {op.id} ({op.kind}) needs a staging ring; the engine creates one for plans with ring_slots"
         )
+    return run.ring
+
+
+@register_op_kind("stage")
+def _stage(run: Run, op: Op) -> list:
+    """Stager: queue the memcpy of a group from the host weight arena into its host slot and
+    return at once; the C++ copy threads run the queued fills back to back (FIFO, the rate
+    cap applies there), so the copy of group g+1 proceeds while group g's slot goes to the
+    accelerator. Its deps (the unload of the slot's previous group) make the slot free; the
+    ring refuses to fill a slot that is not."""
+    ring = _staging_ring(run, op)
     lo, hi = op.args["experts"]
     slot = int(op.args["slot"])
     host = run.weights.host_experts[op.layer]
     fields, _ = slot_layout(host, hi - lo)
-    n = run.ring.fill_experts(slot, host, lo, hi, fields)
-    c0, c1 = run.ring.wait(slot)
+    n = ring.fill_experts(slot, host, lo, hi, fields)
+    run.vals[("staged", slot)] = (op.layer, lo, hi)
     run.streamed_bytes[op.layer] = run.streamed_bytes.get(op.layer, 0) + n
-    views = run.ring.views(slot, fields, hi - lo, host)
-    dev = jax.device_put(views, run.acc)
+    return []
+
+
+@register_op_kind("load")
+def _load(run: Run, op: Op) -> list:
+    """Loader: wait until the slot's fill (queued by its stage op; by this op itself in
+    plans without stage ops) has landed, then hand the slot to the accelerator through the
+    ring's fixed device side (StagingRing.to_device: the slot itself on a stand-in, in-place
+    writes into preallocated buffers on a GPU)."""
+    ring = _staging_ring(run, op)
+    lo, hi = op.args["experts"]
+    slot = int(op.args["slot"])
+    host = run.weights.host_experts[op.layer]
+    fields, _ = slot_layout(host, hi - lo)
+    staged = run.vals.pop(("staged", slot), None)
+    if staged is None:  # no stage op: fill here, then wait (copy and hand-off in sequence)
+        n = ring.fill_experts(slot, host, lo, hi, fields)
+        run.streamed_bytes[op.layer] = run.streamed_bytes.get(op.layer, 0) + n
+    elif staged != (op.layer, lo, hi):
+        raise PlanError(
+            f"op {op.id} (load) expects layer {op.layer} experts [{lo}, {hi}) in slot {slot}, staged: {staged}"
+        )
+    c0, c1 = ring.wait(slot)
+    dev = ring.to_device(slot, fields, hi - lo, host, run.acc)
     run.vals[("slot", slot)] = dev
     run.vals[("copy_ns", op.id)] = (c0, c1)
+    if run.trace is not None:  # the C++ memcpy itself, on its own track
+        run.trace.add(
+            "copy:0", f"copy L{op.layer}", c0, c1, plan=run.plan_index, op=op.id, layer=op.layer, slot=slot
+        )
     return jax.tree_util.tree_leaves(dev)
 
 
@@ -230,7 +297,7 @@ def _experts_acc(run: Run, op: Op) -> list:
         # E + 1 ints to the host (one small sync per layer) so each group runs on exactly
         # its rows, with a static bucketed shape.
         run.vals[key] = (token, wts, np.asarray(offsets))
-        run.vals[("routed", i, t0)] = jax.numpy.zeros_like(x)
+        run.vals[("routed", i, t0)] = jax.numpy.zeros(x.shape, jax.numpy.float32)  # f32 accumulator
     x = run.vals[("route", i, t0)][0]
     token, wts, offsets = run.vals[key]
     lo, hi = op.args["experts"]
@@ -247,6 +314,7 @@ def _experts_acc(run: Run, op: Op) -> list:
         sizes,
         run.vals[("slot", int(op.args["slot"]))],
         rows=pieces.row_bucket(n),
+        prec=run.prec,
     )
     run.vals[("routed", i, t0)] = acc
     return [acc]
@@ -266,7 +334,7 @@ def _combine(run: Run, op: Op) -> list:
     t0, _ = run.span(op)
     i = op.layer
     h = pieces.combine(
-        run.vals[("h", t0)], run.vals.pop(("routed", i, t0)), run.vals.pop(("shared", i, t0), None)
+        run.vals[("h", t0)], run.vals.pop(("routed", i, t0)), run.vals.pop(("shared", i, t0), None), run.prec
     )
     run.vals.pop(("route", i, t0), None)
     run.vals.pop(("sorted", i, t0), None)
@@ -278,7 +346,8 @@ def _combine(run: Run, op: Op) -> list:
 def _final(run: Run, op: Op) -> list:
     t0, _ = run.span(op)
     a = run.weights.acc
-    lg = pieces.final(a.norm, a.lm_head, run.cfg, run.vals[("h", t0)], op.args.get("rows", "last") == "last")
+    last = op.args.get("rows", "last") == "last"
+    lg = pieces.final(a.norm, a.lm_head, run.cfg, run.vals[("h", t0)], last, run.prec)
     run.logits.append(lg)
     return [lg]
 
@@ -287,14 +356,19 @@ def _final(run: Run, op: Op) -> list:
 def _forward(run: Run, op: Op) -> list:
     from hmoe_jax.model.model import forward
 
+    if run.tokens.shape[0] != 1:
+        raise PlanError(
+            f"op {op.id} (forward): the reference schedule runs one sequence, got {run.tokens.shape[0]}"
+        )
+    row = int(run.rows[0])
     lg, cache = forward(
         run.weights.acc_full(),
         run.cfg,
         jax.device_put(run.tokens, run.acc),
-        jax.device_put(run.cache.to_kvcache(), run.acc),
-        run.start_pos,
+        jax.device_put(run.cache.row_cache(row), run.acc),
+        int(run.positions[0]),
     )
-    run.cache.latent[:], run.cache.rope[:] = list(cache.latent), list(cache.k_rope)
+    run.cache.set_row(row, cache)
     run.logits.append(lg)
     return [lg]
 

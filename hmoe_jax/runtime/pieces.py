@@ -10,21 +10,61 @@ import jax
 import jax.numpy as jnp
 
 from hmoe_jax.config import ModelConfig
+from hmoe_jax.model import attention as A
 from hmoe_jax.model import model as M
-from hmoe_jax.model.layers import dense_weight, rms_norm, swiglu
+from hmoe_jax.model.layers import dense_weight, policy_linear, rms_norm, swiglu
 from hmoe_jax.model.moe import route
 from hmoe_jax.model.params import ExpertsParams, FFNParams, LayerParams, MLAParams, ModelParams
+from hmoe_jax.model.precision import F32, Precision
 
 jit_cfg = functools.partial(jax.jit, static_argnames=("cfg",))
 
 
-@jax.jit
-def embed(embed_w: jax.Array, tokens: jax.Array) -> jax.Array:
-    """tokens [B, T] -> h [B, T, D] f32."""
-    return jnp.take(embed_w, tokens, axis=0).astype(jnp.float32)
+ATTN_STATIC = ("cfg", "prec", "kv_len", "form", "q_block", "k_block")
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("lat", "rope"))
+@functools.partial(jax.jit, static_argnames=("prec",))
+def embed(embed_w: jax.Array, tokens: jax.Array, prec: Precision = F32) -> jax.Array:
+    """tokens [B, T] -> h [B, T, D] in the policy's activation dtype."""
+    return jnp.take(embed_w, tokens, axis=0).astype(prec.act_dtype)
+
+
+def _residual(h: jax.Array, out: jax.Array, prec: Precision) -> jax.Array:
+    return (h.astype(jnp.float32) + out.astype(jnp.float32)).astype(prec.act_dtype)
+
+
+def _attention_block(
+    attn_norm, attn: MLAParams, cfg, h, lat, rope, rows, pos, prec, kv_len, form, q_block, k_block
+):
+    """h [B, T, D] -> (h + MLA(input_norm(h)), lat, rope). T == 1: a decode step of B rows at
+    positions pos [B] (attention over each row's first kv_len slots); T > 1: a prefill chunk
+    of one sequence (B == 1) at positions pos[0].. (blocked attention)."""
+    b, t, _ = h.shape
+    x = rms_norm(h, attn_norm, cfg.rms_norm_eps).astype(prec.act_dtype)
+    if t == 1:
+        out, lat, rope = A.decode_attention(attn, cfg, x[:, 0], lat, rope, rows, pos, kv_len, prec=prec)
+        out = out[:, None]
+    else:
+        if b != 1:
+            raise ValueError(f"attention: a prefill chunk is one sequence (B=1), got B={b}")
+        out, lat, rope = A.prefill_attention(
+            attn,
+            cfg,
+            x[0],
+            lat,
+            rope,
+            rows[0],
+            pos[0],
+            prec=prec,
+            form=form,
+            q_block=q_block,
+            k_block=k_block,
+        )
+        out = out[None]
+    return _residual(h, out, prec), lat, rope
+
+
+@functools.partial(jax.jit, static_argnames=ATTN_STATIC, donate_argnames=("lat", "rope"))
 def attention(
     attn_norm: jax.Array,
     attn: MLAParams,
@@ -32,55 +72,97 @@ def attention(
     h: jax.Array,
     lat: jax.Array,
     rope: jax.Array,
-    start_pos: jax.Array,
+    rows: jax.Array,
+    pos: jax.Array,
+    *,
+    prec: Precision = F32,
+    kv_len: int = 0,
+    form: str = "auto",
+    q_block: int = 1024,
+    k_block: int = 512,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """h [B, T, D] -> (h [B, T, D], latent_l [B, S, R], rope_l [B, S, dr]); the cache is donated.
-    Takes only the attention weights so dense and MoE layers share one compilation."""
-    layer = LayerParams(attn_norm=attn_norm, attn=attn, ffn_norm=None, ffn=None)
-    return M.attention_block(layer, cfg, h, lat, rope, start_pos)
+    """h [B, T, D] -> (h [B, T, D], lat [N, S, R], rope [N, S, dr]); the pool layer arrays are
+    donated (updated in place). Takes only the attention weights so dense and MoE layers
+    share one compilation."""
+    return _attention_block(
+        attn_norm, attn, cfg, h, lat, rope, rows, pos, prec, kv_len, form, q_block, k_block
+    )
 
 
-@jit_cfg
-def dense_ffn(layer: LayerParams, cfg: ModelConfig, h: jax.Array) -> jax.Array:
-    return M.ffn_block(layer, cfg, h)
+@functools.partial(jax.jit, static_argnames=("cfg", "prec"))
+def dense_ffn(layer: LayerParams, cfg: ModelConfig, h: jax.Array, prec: Precision = F32) -> jax.Array:
+    x = rms_norm(h, layer.ffn_norm, cfg.rms_norm_eps).astype(prec.act_dtype)
+    return _residual(h, swiglu(layer.ffn, x, prec), prec)
 
 
-@jit_cfg
-def route_tokens(
-    layer: LayerParams, cfg: ModelConfig, h: jax.Array
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """h [B, T, D] -> x [B*T, D] (post-attention-normed, f32), ids [B*T, k], weights [B*T, k]."""
-    x = rms_norm(h, layer.ffn_norm, cfg.rms_norm_eps)
-    x = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-    ids, w = route(layer.ffn, cfg, x)
+def _route(layer: LayerParams, cfg: ModelConfig, h: jax.Array, prec: Precision):
+    """h [B, T, D] -> x [B*T, D] (post-attention-normed, act dtype), ids [B*T, k], weights."""
+    x = rms_norm(h, layer.ffn_norm, cfg.rms_norm_eps).astype(prec.act_dtype)
+    x = x.reshape(-1, x.shape[-1])
+    ids, w = route(layer.ffn, cfg, x)  # the router runs in f32 (as HF's)
     return x, ids, w
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("lat", "rope"))
+@functools.partial(jax.jit, static_argnames=("cfg", "prec"))
+def route_tokens(layer: LayerParams, cfg: ModelConfig, h: jax.Array, prec: Precision = F32):
+    return _route(layer, cfg, h, prec)
+
+
+def _packed(x, ids, w):
+    return jnp.concatenate([x.astype(jnp.float32), ids.astype(jnp.float32), w], axis=-1)
+
+
+@functools.partial(jax.jit, static_argnames=ATTN_STATIC, donate_argnames=("lat", "rope"))
 def attn_route(
-    layer: LayerParams, cfg: ModelConfig, h: jax.Array, lat: jax.Array, rope: jax.Array, start_pos: jax.Array
+    layer: LayerParams,
+    cfg: ModelConfig,
+    h,
+    lat,
+    rope,
+    rows,
+    pos,
+    *,
+    prec: Precision = F32,
+    kv_len=0,
+    form="auto",
+    q_block=1024,
+    k_block=512,
 ):
     """Attention, post-attention norm and gating of a MoE layer as ONE computation (one
-    dispatch instead of two per layer in decode) -> (h [B, T, D], latent_l, rope_l,
-    x [B*T, D], packed [B*T, D + 2k]): the routed experts' inputs x | ids | weights packed in
-    one f32 array, so the hop to the host is one transfer, not three (ids < 2^24 are exact
-    in f32)."""
-    h, lat, rope = M.attention_block(layer, cfg, h, lat, rope, start_pos)
-    x, ids, w = route_tokens(layer, cfg, h)
-    return h, lat, rope, x, jnp.concatenate([x, ids.astype(jnp.float32), w], axis=-1)
+    dispatch instead of two per layer in decode) -> (h [B, T, D], lat, rope, x [B*T, D],
+    packed [B*T, D + 2k]): the routed experts' inputs x | ids | weights packed in one f32
+    array, so the hop to the host is one transfer, not three (ids < 2^24 are exact in f32)."""
+    h, lat, rope = _attention_block(
+        layer.attn_norm, layer.attn, cfg, h, lat, rope, rows, pos, prec, kv_len, form, q_block, k_block
+    )
+    x, ids, w = _route(layer, cfg, h, prec)
+    return h, lat, rope, x, _packed(x, ids, w)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("lat", "rope"))
+@functools.partial(jax.jit, static_argnames=ATTN_STATIC, donate_argnames=("lat", "rope"))
 def attn_route_shared(
-    layer: LayerParams, cfg: ModelConfig, h: jax.Array, lat: jax.Array, rope: jax.Array, start_pos: jax.Array
+    layer: LayerParams,
+    cfg: ModelConfig,
+    h,
+    lat,
+    rope,
+    rows,
+    pos,
+    *,
+    prec: Precision = F32,
+    kv_len=0,
+    form="auto",
+    q_block=1024,
+    k_block=512,
 ):
     """attn_route plus the shared expert(s) in the same computation (decode: one dispatch for
-    everything the accelerator does before the hop) -> (h, latent_l, rope_l, shared [B*T, D],
+    everything the accelerator does before the hop) -> (h, lat, rope, shared [B*T, D],
     packed [B*T, D + 2k])."""
-    h, lat, rope = M.attention_block(layer, cfg, h, lat, rope, start_pos)
-    x, ids, w = route_tokens(layer, cfg, h)
-    packed = jnp.concatenate([x, ids.astype(jnp.float32), w], axis=-1)
-    return h, lat, rope, swiglu(layer.ffn.shared, x), packed
+    h, lat, rope = _attention_block(
+        layer.attn_norm, layer.attn, cfg, h, lat, rope, rows, pos, prec, kv_len, form, q_block, k_block
+    )
+    x, ids, w = _route(layer, cfg, h, prec)
+    return h, lat, rope, swiglu(layer.ffn.shared, x, prec), _packed(x, ids, w)
 
 
 def unpack_route(packed: jax.Array, hidden: int, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -88,24 +170,33 @@ def unpack_route(packed: jax.Array, hidden: int, k: int) -> tuple[jax.Array, jax
     return packed[:, :hidden], packed[:, hidden : hidden + k].astype(jnp.int32), packed[:, hidden + k :]
 
 
-@jax.jit
-def shared(p: FFNParams, x: jax.Array) -> jax.Array:
-    return swiglu(p, x)
+@functools.partial(jax.jit, static_argnames=("prec",))
+def shared(p: FFNParams, x: jax.Array, prec: Precision = F32) -> jax.Array:
+    return swiglu(p, x, prec)
 
 
-@jax.jit
-def combine(h: jax.Array, routed: jax.Array, shared_out: jax.Array | None) -> jax.Array:
-    """h [B, T, D] + (routed + shared) [B*T, D], summed in moe_block's order."""
-    out = routed if shared_out is None else routed + shared_out
-    return h + out.reshape(h.shape)
+@functools.partial(jax.jit, static_argnames=("prec",))
+def combine(
+    h: jax.Array, routed: jax.Array, shared_out: jax.Array | None, prec: Precision = F32
+) -> jax.Array:
+    """h [B, T, D] + (routed + shared) [B*T, D], summed in moe_block's order (f32)."""
+    out = routed.astype(jnp.float32)
+    if shared_out is not None:
+        out = out + shared_out.astype(jnp.float32)
+    return _residual(h, out.reshape(h.shape), prec)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "last_only"))
-def final(norm_w: jax.Array, lm_head, cfg: ModelConfig, h: jax.Array, last_only: bool) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("cfg", "last_only", "prec"))
+def final(
+    norm_w: jax.Array, lm_head, cfg: ModelConfig, h: jax.Array, last_only: bool, prec: Precision = F32
+) -> jax.Array:
     """h [B, T, D] -> logits [B, T or 1, V] f32."""
     if last_only:
         h = h[:, -1:]
-    return M.final_logits(ModelParams(embed=None, layers=(), norm=norm_w, lm_head=lm_head), cfg, h)
+    if prec.exact:
+        return M.final_logits(ModelParams(embed=None, layers=(), norm=norm_w, lm_head=lm_head), cfg, h)
+    x = rms_norm(h, norm_w, cfg.rms_norm_eps).astype(prec.act_dtype)
+    return policy_linear(x, lm_head, prec)  # f32 logits, lm_head consumed as stored
 
 
 @functools.partial(jax.jit, static_argnames=("n_experts",))
@@ -126,7 +217,7 @@ def row_bucket(n: int) -> int:
     return max(16, 1 << (max(n, 1) - 1).bit_length())
 
 
-@functools.partial(jax.jit, static_argnames=("rows",))
+@functools.partial(jax.jit, static_argnames=("rows", "prec"), donate_argnames=("acc",))
 def experts_group(
     x: jax.Array,
     acc: jax.Array,
@@ -136,6 +227,7 @@ def experts_group(
     sizes: jax.Array,
     group: ExpertsParams,
     rows: int,
+    prec: Precision = F32,
 ) -> jax.Array:
     """acc [T, D] += the routed output of the G experts held in one ring slot.
 
@@ -145,18 +237,24 @@ def experts_group(
     through jax.lax.ragged_dot (gate, up, down) with the per-expert sizes; FP8 weights are
     dequantized inside this computation (no f32 copy of the weights outlives it). XLA's GPU
     lowering of ragged_dot is a grouped kernel; on CPU it is dense per group (G x the rows'
-    FLOPs), which only the stand-in pays.
+    FLOPs), which only the stand-in pays. `acc` (f32) is donated: updated in place, never
+    copied per group. Under a bf16 policy the weights are dequantised to bf16 and the dots
+    accumulate in f32 (f32 on XLA:CPU, which has no bf16 x bf16 -> f32 dot).
     """
+    wdt = jnp.float32 if prec.exact else prec.dot_dtype
     m = token.shape[0]
     n = sizes.sum()
     idx = jnp.minimum(off + jnp.arange(rows, dtype=jnp.int32), m - 1)  # [rows]
     tok = token[idx]
-    xs = x[tok]  # [rows, D]
-    gw = dense_weight(group.gate).transpose(0, 2, 1)  # [G, D, I]
-    uw = dense_weight(group.up).transpose(0, 2, 1)
-    dw = dense_weight(group.down).transpose(0, 2, 1)  # [G, I, D]
-    hid = jax.nn.silu(jax.lax.ragged_dot(xs, gw, sizes)) * jax.lax.ragged_dot(xs, uw, sizes)  # [rows, I]
-    y = jax.lax.ragged_dot(hid, dw, sizes)  # [rows, D]
+    xs = x[tok].astype(wdt)  # [rows, D]
+    gw = dense_weight(group.gate, wdt).transpose(0, 2, 1)  # [G, D, I]
+    uw = dense_weight(group.up, wdt).transpose(0, 2, 1)
+    dw = dense_weight(group.down, wdt).transpose(0, 2, 1)  # [G, I, D]
+    f32 = jnp.float32
+    g = jax.lax.ragged_dot(xs, gw, sizes, preferred_element_type=f32)
+    u = jax.lax.ragged_dot(xs, uw, sizes, preferred_element_type=f32)
+    hid = (jax.nn.silu(g) * u).astype(prec.act_dtype if not prec.exact else f32).astype(wdt)  # [rows, I]
+    y = jax.lax.ragged_dot(hid, dw, sizes, preferred_element_type=f32)  # [rows, D]
     keep = jnp.arange(rows) < n
     y = y * jnp.where(keep, wts[idx], 0.0)[:, None]
     return acc.at[tok].add(jnp.where(keep[:, None], y, 0.0))

@@ -22,8 +22,7 @@ import numpy as np
 
 from hmoe_jax.model.params import ExpertsParams, ModelParams, MoEParams
 from hmoe_jax.quant.fp8 import Fp8Tensor
-
-_ALIGN = 64  # jax.device_put(numpy) on CPU is zero-copy only at this alignment (NOTES.md)
+from hmoe_jax.quant.hostmem import aligned_empty, is_aligned
 
 
 class PlacementError(RuntimeError):
@@ -93,18 +92,6 @@ def make_placement(num_accelerators: int = 1) -> Placement:
             f"set jax_num_cpu_devices={n + 1} before jax starts (hmoe --devices {n} does)"
         )
     return Placement(host, tuple(cpus[1 : n + 1]))
-
-
-def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    dt = np.dtype(dtype)
-    nbytes = int(np.prod(shape)) * dt.itemsize
-    raw = np.empty(nbytes + _ALIGN, np.uint8)
-    off = (-raw.ctypes.data) % _ALIGN
-    return raw[off : off + nbytes].view(dt).reshape(shape)
-
-
-def is_aligned(a: np.ndarray) -> bool:
-    return a.ctypes.data % _ALIGN == 0 and a.flags.c_contiguous
 
 
 def host_params(params: ModelParams) -> tuple[ModelParams, int]:

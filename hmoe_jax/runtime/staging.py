@@ -5,8 +5,13 @@ host weight arena, optionally at a capped rate (link emulation).
 Control goes through the extension's C API with ctypes (calls release the GIL, so a
 Python loader thread waiting on a fill does not stall the compute thread); the same wait is
 also an XLA FFI target (`hmoe_staging_wait`) so a computation can block on a slot itself.
-A filled slot is viewed as numpy arrays without a copy; jax.device_put of such a view is
-zero-copy on the CPU backend (64-byte aligned) and one host->device copy on a GPU.
+A filled slot is viewed as numpy arrays without a copy and handed to the accelerator by
+`StagingRing.to_device`, whose device side is a fixed ring too (`device_ring` modes):
+"alias" (CPU stand-ins: the device arrays ARE the slot's memory, created once per slot and
+reused, zero-copy), "inplace" (GPUs: per slot preallocated device buffers, overwritten in
+place by the FFI target hmoe_staging_put, donated, one host->device DMA from the page-locked
+slot, nothing allocated per group) and "put" (plain jax.device_put each time: XLA's
+allocator gives a new device buffer per group; the behaviour before the device ring).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import os
 from typing import Any
 
 import jax
@@ -57,6 +63,8 @@ def _lib() -> ctypes.CDLL:
         "hmoe_ring_fills_done": (u64, [vp]),
         "hmoe_ring_last_error": (ctypes.c_char_p, []),
         "hmoe_monotonic_ns": (ctypes.c_int64, []),
+        "hmoe_ring_bind_device": (ctypes.c_int, [vp, u64, ctypes.c_int]),
+        "hmoe_ring_set_pinned": (ctypes.c_int, [vp, ctypes.c_int]),
     }
     for name, (res, args) in sig.items():
         f = getattr(lib, name)
@@ -67,6 +75,46 @@ def _lib() -> ctypes.CDLL:
 def _check(rc: int, what: str) -> None:
     if rc != 0:
         raise StagingError(f"staging ring {what}: {_lib().hmoe_ring_last_error().decode()}")
+
+
+DEVICE_RING_MODES = ("alias", "inplace", "put")
+
+
+def device_ring_mode(device: jax.Device, requested: str = "auto") -> str:
+    """The device-side ring mode for `device`: "auto" (or the HMOE_DEVICE_RING environment
+    variable, when set) is "alias" on a CPU stand-in and "inplace" on a GPU."""
+    mode = os.environ.get("HMOE_DEVICE_RING", "auto") if requested == "auto" else requested
+    if mode == "auto":
+        mode = "alias" if device.platform == "cpu" else "inplace"
+    if mode not in DEVICE_RING_MODES:
+        raise StagingError(f"device_ring={mode!r} not in {('auto', *DEVICE_RING_MODES)}")
+    if mode == "alias" and device.platform != "cpu":
+        raise StagingError(f"device_ring='alias' needs a CPU device (the slot memory itself), got {device}")
+    return mode
+
+
+@functools.cache
+def _inplace_put(ring_handle: int, offsets: tuple[int, ...]):
+    """jit(put)(device slot buffers) -> the same buffers, overwritten in place with the host
+    slot's bytes at `offsets` (donated; the FFI result aliases each operand)."""
+    hffi.register_all()
+
+    def put(bufs):
+        call = jax.ffi.ffi_call(
+            "hmoe_staging_put",
+            [jax.ShapeDtypeStruct(b.shape, b.dtype) for b in bufs],
+            input_output_aliases={i: i for i in range(len(bufs))},
+        )
+        return call(*bufs, ring=np.int64(ring_handle), offsets=np.asarray(offsets, np.int64))
+
+    return jax.jit(put, donate_argnums=0)
+
+
+@functools.cache
+def _register_cuda_put() -> None:
+    hffi.register_all()
+    handler = hffi.extension().registrations()["hmoe_staging_put_cuda"]
+    jax.ffi.register_ffi_target("hmoe_staging_put", handler, platform="CUDA")
 
 
 def monotonic_ns() -> int:
@@ -126,7 +174,13 @@ class StagingRing:
     release() frees the slot for the next fill."""
 
     def __init__(
-        self, n_slots: int, slot_bytes: int, *, copy_threads: int = 2, link_gbps: float | None = None
+        self,
+        n_slots: int,
+        slot_bytes: int,
+        *,
+        copy_threads: int = 2,
+        link_gbps: float | None = None,
+        device_ring: str = "auto",
     ):
         rate = 0.0 if not link_gbps else float(link_gbps) * 1e9
         self._h = _lib().hmoe_ring_create(int(n_slots), int(slot_bytes), int(copy_threads), rate)
@@ -137,6 +191,9 @@ class StagingRing:
         self.link_gbps = link_gbps
         self._keep: dict[int, list[np.ndarray]] = {}  # sources stay alive until the copy is done
         self._views: dict[tuple[int, int], ExpertsParams] = {}
+        self.device_ring = device_ring  # see device_ring_mode
+        self._dev: dict[tuple[int, int, jax.Device], ExpertsParams] = {}  # the device-side ring
+        self._dma_client: Any = None  # the XLA client the arena is registered with (GPU)
 
     @property
     def handle(self) -> int:
@@ -144,7 +201,27 @@ class StagingRing:
 
     @property
     def pinned(self) -> bool:
-        return bool(_lib().hmoe_ring_pinned(self._h))
+        return bool(_lib().hmoe_ring_pinned(self._h)) or bool(self._dma_client)
+
+    def _register_with_xla(self, device: jax.Device) -> None:
+        """On a GPU, page-lock the arena through XLA (Client.dma_map) instead of our own
+        cudaHostRegister: XLA then knows the range is DMA-mapped, so a plain device_put of a
+        slot view is one DMA from the arena ("put" mode: PjRt skips its pinned staging
+        copy), and the in-place copies read pinned memory as before. Tried once; on failure
+        the ring keeps its own pinning. Untested here (no GPU)."""
+        if self._dma_client is not None or device.platform == "cpu":
+            return
+        if os.environ.get("HMOE_STAGING_PIN") == "0":
+            self._dma_client = False
+            return
+        was_pinned = bool(_lib().hmoe_ring_set_pinned(self._h, 0))
+        try:
+            device.client.dma_map(self.slot_ptr(0), self.n_slots * self.slot_bytes)
+            self._dma_client = device.client
+        except Exception:
+            self._dma_client = False
+            if was_pinned:
+                _lib().hmoe_ring_set_pinned(self._h, 1)
 
     def slot_ptr(self, slot: int) -> int:
         return int(_lib().hmoe_ring_slot_ptr(self._h, slot))
@@ -206,6 +283,55 @@ class StagingRing:
             self._views[key] = ExpertsParams(gate=rebuild("gate"), up=rebuild("up"), down=rebuild("down"))
         return self._views[key]
 
+    def to_device(
+        self, slot: int, fields: list[Field], count: int, like: ExpertsParams, device: jax.Device
+    ) -> ExpertsParams:
+        """The filled slot's experts on `device` (the slot must be ready: wait() first).
+        "alias" and "inplace" keep one fixed set of device arrays per (slot, count): the
+        device-side ring never grows after its first use of each slot."""
+        if self.state(slot) != "ready":
+            raise StagingError(
+                f"to_device: slot {slot} is not filled (state {self.state(slot)}); wait() first"
+            )
+        views = self.views(slot, fields, count, like)
+        mode = device_ring_mode(device, self.device_ring)
+        self._register_with_xla(device)
+        if mode == "put":
+            return jax.device_put(views, device)
+        key = (slot, count, device)
+        dev = self._dev.get(key)
+        if mode == "alias":
+            if dev is None:
+                dev = jax.device_put(views, device)
+                for v, d in zip(jax.tree_util.tree_leaves(views), jax.tree_util.tree_leaves(dev)):
+                    if d.unsafe_buffer_pointer() != v.ctypes.data:
+                        raise StagingError(
+                            f"device_ring='alias': device_put of slot {slot} copied (the view at "
+                            f"{v.ctypes.data:#x} is not usable zero-copy); use device_ring='put'"
+                        )
+                self._dev[key] = dev
+            # The slot's memory itself: the fill already updated it. (Read it through views(),
+            # not np.asarray(dev): a jax array caches its first host copy.)
+            return dev
+        if device.platform != "cpu":
+            _register_cuda_put()
+        if dev is None:  # allocate this slot's device buffers once
+            dev = jax.tree_util.tree_map(lambda v: jax.numpy.zeros(v.shape, v.dtype, device=device), views)
+            first = jax.block_until_ready(jax.tree_util.tree_leaves(dev))[0]
+            _check(_lib().hmoe_ring_bind_device(self._h, first.unsafe_buffer_pointer(), slot), "bind_device")
+        leaves, treedef = jax.tree_util.tree_flatten(dev)
+        base = self.slot_ptr(slot)
+        offsets = tuple(v.ctypes.data - base for v in jax.tree_util.tree_leaves(views))
+        dev = jax.tree_util.tree_unflatten(treedef, _inplace_put(self.handle, offsets)(leaves))
+        self._dev[key] = dev
+        return dev
+
+    def device_buffers(self) -> dict[tuple[int, int, jax.Device], list[int]]:
+        """(slot, count, device) -> addresses of the device-side ring's buffers (tests, docs)."""
+        return {
+            k: [a.unsafe_buffer_pointer() for a in jax.tree_util.tree_leaves(v)] for k, v in self._dev.items()
+        }
+
     @property
     def bytes_copied(self) -> int:
         return int(_lib().hmoe_ring_bytes_copied(self._h))
@@ -216,6 +342,10 @@ class StagingRing:
 
     def close(self) -> None:
         if self._h:
+            self._dev.clear()  # alias-mode arrays point into the arena
+            if self._dma_client:
+                self._dma_client.dma_unmap(self.slot_ptr(0))
+                self._dma_client = None
             self._views.clear()
             _lib().hmoe_ring_destroy(self._h)
             self._h = None

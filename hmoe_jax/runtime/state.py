@@ -1,15 +1,16 @@
-"""What a plan runs against: the placed weights and the per-layer latent cache."""
+"""What a plan runs against: the placed weights (plus the absorbed-attention weights the
+precision policy derives from kv_b once, at placement). The cache is runtime/kvpool.py."""
 
 from __future__ import annotations
 
 import dataclasses
 
-import jax
-import jax.numpy as jnp
+import numpy as np
 
 from hmoe_jax.config import ModelConfig
-from hmoe_jax.model.model import KVCache
-from hmoe_jax.model.params import ExpertsParams, ModelParams
+from hmoe_jax.model.params import ExpertsParams, MLAParams, ModelParams
+from hmoe_jax.model.precision import F32, Precision
+from hmoe_jax.quant.fp8 import Fp8Tensor, dequantize_np
 from hmoe_jax.runtime import placement as P
 
 
@@ -27,10 +28,12 @@ class PlacedWeights:
     _acc_full: ModelParams | None = None
 
     @staticmethod
-    def place(params: ModelParams, cfg: ModelConfig, placement: P.Placement) -> PlacedWeights:
+    def place(
+        params: ModelParams, cfg: ModelConfig, placement: P.Placement, prec: Precision = F32
+    ) -> PlacedWeights:
         host, copied = P.host_params(params)
         rest, experts = P.split_experts(host)
-        acc = P.put(rest, placement.acc)
+        acc = P.put(with_absorbed_weights(rest, cfg, prec), placement.acc)
         experts_dev = [None if e is None else P.put(e, placement.host) for e in experts]
         return PlacedWeights(cfg, placement, host, acc, experts, experts_dev, copied)
 
@@ -42,34 +45,45 @@ class PlacedWeights:
         return self._acc_full
 
 
-@dataclasses.dataclass
-class LayerCache:
-    """The MLA latent cache as one array per layer on the accelerator, so a layer's
-    attention updates its own buffer in place (donated) instead of the stacked [L, ...]."""
+def absorbed_weights(attn: MLAParams, cfg: ModelConfig, prec: Precision) -> tuple[object, object]:
+    """(w_uk, w_uv) for a bf16 policy, derived once from kv_b [H (dn + dv), R] (numpy):
+    FP8 kv_b with the per-head FP8 kernel hook -> Fp8Tensors w_uk [H, R, dn] (each 128 x 128
+    block transposed with its scale: exact) and w_uv [H, dv, R] (a slice); otherwise plain
+    arrays w_uk [H, dn, R], w_uv [H, dv, R] in the policy's dot dtype (what vLLM keeps too:
+    one bf16 copy of kv_b's two halves instead of a dequantisation every step)."""
+    h, dn, dv, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    kv_b = attn.kv_b
+    blocks_fit = isinstance(kv_b, Fp8Tensor) and kv_b.block_n == 128 and dn % 128 == 0 and dv % 128 == 0
+    if blocks_fit and prec.fp8_head_matmul is not None:
+        w = np.asarray(kv_b.w).reshape(h, dn + dv, r)
+        sc = np.asarray(kv_b.scale_inv).reshape(h, (dn + dv) // 128, -1)
+        nb = dn // 128
+        uk = Fp8Tensor(
+            w=np.ascontiguousarray(w[:, :dn].transpose(0, 2, 1)),
+            scale_inv=np.ascontiguousarray(sc[:, :nb].transpose(0, 2, 1)),
+            block_n=kv_b.block_k,
+            block_k=kv_b.block_n,
+        )
+        uv = Fp8Tensor(
+            w=np.ascontiguousarray(w[:, dn:]),
+            scale_inv=np.ascontiguousarray(sc[:, nb:]),
+            block_n=128,
+            block_k=kv_b.block_k,
+        )
+        return uk, uv
+    full = dequantize_np(kv_b) if isinstance(kv_b, Fp8Tensor) else np.asarray(kv_b, np.float32)
+    full = full.reshape(h, dn + dv, r)
+    dt = np.dtype(prec.dot_dtype)
+    return np.ascontiguousarray(full[:, :dn]).astype(dt), np.ascontiguousarray(full[:, dn:]).astype(dt)
 
-    latent: list[jax.Array]  # L x [B, S_max, kv_lora_rank]
-    rope: list[jax.Array]  # L x [B, S_max, qk_rope_head_dim]
 
-    @staticmethod
-    def zeros(cfg: ModelConfig, batch: int, max_len: int, device: jax.Device) -> LayerCache:
-        with jax.default_device(device):
-            lat = [
-                jnp.zeros((batch, max_len, cfg.kv_lora_rank), jnp.float32)
-                for _ in range(cfg.num_hidden_layers)
-            ]
-            rope = [
-                jnp.zeros((batch, max_len, cfg.qk_rope_head_dim), jnp.float32)
-                for _ in range(cfg.num_hidden_layers)
-            ]
-        return LayerCache(lat, rope)
-
-    @property
-    def max_len(self) -> int:
-        return int(self.latent[0].shape[1])
-
-    def to_kvcache(self) -> KVCache:
-        return KVCache(latent=jnp.stack(self.latent), k_rope=jnp.stack(self.rope))
-
-    @staticmethod
-    def from_kvcache(c: KVCache) -> LayerCache:
-        return LayerCache(list(c.latent), list(c.k_rope))
+def with_absorbed_weights(params: ModelParams, cfg: ModelConfig, prec: Precision) -> ModelParams:
+    """params with MLAParams.w_uk / w_uv filled for a non-exact policy (unchanged for f32:
+    the parity policy derives them from kv_b inside the computation, as the reference)."""
+    if prec.exact:
+        return params
+    layers = []
+    for lp in params.layers:
+        uk, uv = absorbed_weights(lp.attn, cfg, prec)
+        layers.append(lp.replace(attn=lp.attn.replace(w_uk=uk, w_uv=uv)))
+    return params.replace(layers=tuple(layers))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from hmoe_jax.config import ModelConfig
 from hmoe_jax.plan.format import Plan
+from hmoe_jax.plan.memory import MemoryBudget
 from hmoe_jax.plan.system import SystemSpec
 from hmoe_jax.schedules.base import Schedule
 
@@ -22,6 +23,14 @@ class AutoSchedule(Schedule):
         if devices >= 2 and "dslp" in SCHEDULES and num_tokens >= system.auto_dslp_min_tokens:
             return "dslp"
         return "slp"
+
+    def budget(
+        self, cfg: ModelConfig, system: SystemSpec, num_tokens: int, *, devices: int = 1, start_pos: int = 0
+    ) -> MemoryBudget | None:
+        from hmoe_jax.schedules.registry import get_schedule
+
+        inner = get_schedule(self.choose(system, num_tokens, devices, start_pos), **self.options)
+        return inner.budget(cfg, system, num_tokens, devices=inner.uses_devices(devices), start_pos=start_pos)
 
     def plan(
         self, cfg: ModelConfig, system: SystemSpec, num_tokens: int, *, devices: int = 1, start_pos: int = 0

@@ -10,6 +10,7 @@ from typing import ClassVar
 
 from hmoe_jax.config import ModelConfig
 from hmoe_jax.plan.format import Plan
+from hmoe_jax.plan.memory import MemoryBudget
 from hmoe_jax.plan.system import SystemSpec
 
 
@@ -34,6 +35,14 @@ class Schedule(abc.ABC):
     ) -> Plan:
         """Ops for a forward over `num_tokens` new tokens at cache position `start_pos`
         (prefill when start_pos == 0 and num_tokens > 1) on `devices` accelerators."""
+
+    def budget(
+        self, cfg: ModelConfig, system: SystemSpec, num_tokens: int, *, devices: int = 1, start_pos: int = 0
+    ) -> MemoryBudget | None:
+        """The accelerator memory the plan needs (plan/memory.py), without building it; None
+        for schedules that do not check memory (reference). plan() raises ScheduleError with
+        budget.message when it does not fit."""
+        return None
 
     def check_devices(self, devices: int) -> None:
         hi = self.max_devices

@@ -10,10 +10,10 @@ host computes the routed experts.
 from __future__ import annotations
 
 from hmoe_jax.config import ModelConfig
-from hmoe_jax.plan import costs
+from hmoe_jax.plan import costs, memory
 from hmoe_jax.plan.format import Plan, PlanBuilder
 from hmoe_jax.plan.system import SystemSpec
-from hmoe_jax.schedules.base import Schedule
+from hmoe_jax.schedules.base import Schedule, ScheduleError
 
 
 def touched_experts(cfg: ModelConfig, tokens: int) -> int:
@@ -34,15 +34,28 @@ def add_attention(
     start_pos: int,
     dep: int,
     acc: str = "acc:0",
+    *,
+    rows: int = 1,
+    cache_slots: int | None = None,
+    attn: dict | None = None,
 ) -> int:
+    """An attention op priced as model/attention.py runs it (form, blocks, the pool row's
+    cache_slots; attn: the engine's form / q_block / k_block options)."""
     return b.add(
         "attn",
         acc,
         layer=layer,
-        flops=costs.attn_flops(cfg, t1 - t0, start_pos + t0),
+        flops=costs.attn_flops(
+            cfg, t1 - t0, start_pos + t0, rows=rows, cache_len=cache_slots, **attn_kw(attn)
+        ),
         deps=[dep],
         tokens=[t0, t1],
     )
+
+
+def attn_kw(attn: dict | None) -> dict:
+    """The attention options that change what runs (and so its FLOPs)."""
+    return {k: v for k, v in (attn or {}).items() if k in ("form", "q_block", "k_block")}
 
 
 class CpuSchedule(Schedule):
@@ -51,9 +64,31 @@ class CpuSchedule(Schedule):
     `attn_route` op whose hop is one packed transfer; False: separate attn / route ops),
     fuse_shared_tokens (16: chunks of at most this many tokens, i.e. decode, also compute the
     shared expert inside attn_route; longer chunks keep it a separate op that overlaps the
-    host's routed experts)."""
+    host's routed experts); for the memory budget (plan/memory.py): kv_rows (batch) and
+    max_len (start_pos + num_tokens) of the KV pool, precision ("bf16"), attn (the engine's
+    prefill attention options), piece_temps (measured piece temporaries)."""
 
     name = "cpu"
+
+    def budget(
+        self, cfg: ModelConfig, system: SystemSpec, num_tokens: int, *, devices: int = 1, start_pos: int = 0
+    ) -> memory.MemoryBudget:
+        try:
+            return memory.cpu_budget(
+                cfg,
+                system,
+                num_tokens,
+                chunk_tokens=int(self.options.get("chunk_tokens", system.cpu_prefill_chunk_tokens)),
+                batch=int(self.options.get("batch", 1)),
+                start_pos=start_pos,
+                kv_rows=self.options.get("kv_rows"),
+                max_len=self.options.get("max_len"),
+                precision=str(self.options.get("precision", "bf16")),
+                piece_temps=self.options.get("piece_temps"),
+                attn=self.options.get("attn"),
+            )
+        except ValueError as e:
+            raise ScheduleError(f"cpu: {e}") from None
 
     def plan(
         self, cfg: ModelConfig, system: SystemSpec, num_tokens: int, *, devices: int = 1, start_pos: int = 0
@@ -63,12 +98,22 @@ class CpuSchedule(Schedule):
         all_logits = bool(self.options.get("all_logits", False))
         fused = bool(self.options.get("fused", True))
         fuse_shared_tokens = int(self.options.get("fuse_shared_tokens", 16))
+        # batch: rows decoded together (num_tokens == 1 each); costs count batch * n tokens.
+        batch = int(self.options.get("batch", 1))
+        if batch < 1 or (batch > 1 and num_tokens != 1):
+            raise ScheduleError(
+                f"cpu: batch={batch} needs num_tokens == 1 (batched decode), got {num_tokens}"
+            )
+        budget = self.budget(cfg, system, num_tokens, devices=devices, start_pos=start_pos)
+        if not budget.fits:
+            raise ScheduleError(f"cpu: {budget.message}")
+        attn = self.options.get("attn")
         b = PlanBuilder(self.name, num_tokens)
         k = cfg.num_experts_per_tok
         prev_chunk_last = None
         spans = chunks(num_tokens, chunk)
         for ci, (t0, t1) in enumerate(spans):
-            n = t1 - t0
+            n = (t1 - t0) * batch  # token rows this chunk moves through each layer
             # A chunk's attention at layer l reads the cache the previous chunk wrote at l:
             # serialising chunks through h keeps that order (one accelerator stream).
             h = b.add("embed", "acc:0", deps=[prev_chunk_last], tokens=[t0, t1])
@@ -76,7 +121,10 @@ class CpuSchedule(Schedule):
                 with_shared = fused and bool(cfg.n_shared_experts) and n <= fuse_shared_tokens
                 if cfg.is_moe_layer(layer) and fused:
                     # one computation and one hop per layer: what decode needs most
-                    flops = costs.attn_flops(cfg, n, start_pos + t0) + costs.router_flops(cfg, n)
+                    flops = costs.attn_flops(
+                        cfg, t1 - t0, start_pos + t0, rows=batch, cache_len=budget.max_len, **attn_kw(attn)
+                    )
+                    flops += costs.router_flops(cfg, n)
                     r = h = b.add(
                         "attn_route",
                         "acc:0",
@@ -87,7 +135,9 @@ class CpuSchedule(Schedule):
                         with_shared=with_shared,
                     )
                 else:
-                    h = add_attention(b, cfg, layer, t0, t1, start_pos, h)
+                    h = add_attention(
+                        b, cfg, layer, t0, t1, start_pos, h, rows=batch, cache_slots=budget.max_len, attn=attn
+                    )
                     if not cfg.is_moe_layer(layer):
                         h = b.add(
                             "dense_ffn",
@@ -135,7 +185,7 @@ class CpuSchedule(Schedule):
                 h = b.add("combine", "acc:0", layer=layer, deps=[h, u, s], tokens=[t0, t1])
             last = ci == len(spans) - 1
             if all_logits or last:
-                rows = n if all_logits else 1
+                rows = n if all_logits else batch
                 h = b.add(
                     "final",
                     "acc:0",
@@ -145,4 +195,13 @@ class CpuSchedule(Schedule):
                     rows="all" if all_logits else "last",
                 )
             prev_chunk_last = h
-        return b.build(devices=1, start_pos=start_pos, chunk_tokens=chunk, all_logits=all_logits, fused=fused)
+        return b.build(
+            devices=1,
+            start_pos=start_pos,
+            compute_dtype=costs.POLICY_GEMM_DTYPE[str(self.options.get("precision", "bf16"))],
+            memory=budget.meta(),
+            chunk_tokens=chunk,
+            all_logits=all_logits,
+            fused=fused,
+            batch=batch,
+        )

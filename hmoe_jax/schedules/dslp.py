@@ -14,6 +14,7 @@ Options: all_logits (False), staging ("ring": C++ staging ring, the default; "di
 jax.device_put from the host copy), ep_capacity (ep only: pair slots per rank pair; None =
 no drop possible), acc_experts ("grouped": ragged_dot grouped GEMMs, the default; "ref":
 experts_ref, every local expert on every token). Prefill from position 0 only (chunked continuation uses `cpu`).
+Memory budget (plan/memory.py, checked by plan()): kv_rows, max_len, piece_temps.
 
 The plan is data for the simulator: each dslp_load's bytes is what crosses rank r's
 host link; each compute op's flops are PER RANK (all ranks run it in lock-step), and its
@@ -26,7 +27,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from hmoe_jax.config import ModelConfig
-from hmoe_jax.plan import costs
+from hmoe_jax.plan import costs, memory
 from hmoe_jax.plan.dist import ZigzagLayout, cp_attention_comm, ep_comm_expected, smallep_comm
 from hmoe_jax.plan.format import Plan, PlanBuilder
 from hmoe_jax.plan.system import SystemSpec
@@ -40,6 +41,28 @@ class DslpSchedule(Schedule):
     moe_scheme: ClassVar[str] = "smallep"
     min_devices = 1
     max_devices = None
+
+    def budget(
+        self, cfg: ModelConfig, system: SystemSpec, num_tokens: int, *, devices: int = 1, start_pos: int = 0
+    ) -> memory.MemoryBudget:
+        """Per rank (the rank with the highest peak): plan/memory.py dslp_budget. Options
+        kv_rows (1) / max_len (num_tokens) size the KV pool on rank 0; piece_temps replace
+        the per-rank estimates (attention, moe, dense_ffn, final)."""
+        n = self.uses_devices(devices)
+        try:
+            return memory.dslp_budget(
+                cfg,
+                system,
+                num_tokens,
+                ranks=n,
+                padded_tokens=ZigzagLayout.for_sequence(num_tokens, n).padded_len,
+                kv_rows=self.options.get("kv_rows"),
+                max_len=self.options.get("max_len"),
+                piece_temps=self.options.get("piece_temps"),
+                schedule=self.name,
+            )
+        except ValueError as e:
+            raise ScheduleError(f"{self.name}: {e}") from None
 
     def plan(
         self, cfg: ModelConfig, system: SystemSpec, num_tokens: int, *, devices: int = 1, start_pos: int = 0
@@ -60,6 +83,9 @@ class DslpSchedule(Schedule):
         acc_experts = str(self.options.get("acc_experts", "grouped"))
         if acc_experts not in ("grouped", "ref"):
             raise ScheduleError(f"{self.name}: acc_experts={acc_experts!r}, expected 'grouped' or 'ref'")
+        budget = self.budget(cfg, system, num_tokens, devices=n)
+        if not budget.fits:
+            raise ScheduleError(f"{self.name}: {budget.message}")
         layout = ZigzagLayout.for_sequence(num_tokens, n)
         t_pad, k, el = layout.padded_len, cfg.num_experts_per_tok, cfg.n_routed_experts // n
         per_rank_tokens = t_pad // n
@@ -93,12 +119,12 @@ class DslpSchedule(Schedule):
                         experts=[r * el, (r + 1) * el] if moe else None,
                     )
                 )
-            # Per rank: projections of its T/N tokens + its balanced share of causal attention.
+            # Per rank: projections of its T/N tokens + its 2N+1 chunk pairs of causal attention.
             h = b.add(
                 "dslp_attn",
                 ACC,
                 layer=layer,
-                flops=costs.attn_flops(cfg, t_pad) // n,
+                flops=costs.cp_attn_flops(cfg, t_pad, n),
                 deps=[h, *loads],
                 comm=cp_attention_comm(n, t_pad, cfg.cache_dim).as_dict(),
             )
@@ -143,6 +169,8 @@ class DslpSchedule(Schedule):
         meta = dict(
             devices=n,
             start_pos=0,
+            compute_dtype="fp32",  # parallel/ computes in f32 (no precision policy there yet)
+            memory=budget.meta(),
             moe_scheme=self.moe_scheme,
             staging=staging,
             acc_experts=acc_experts,

@@ -2,45 +2,58 @@
 
 Everything runs on the accelerator. Non-expert weights stay resident there; each MoE
 layer's routed experts (FP8 as stored) stream host -> accelerator through a ring of R
-slots, `experts_per_slot` experts per slot. Three workers run concurrently: the loader
-(resource h2d:0) fills slot g % R with expert group g as soon as the unloader released it,
-the compute worker (acc:0) runs the grouped GEMM of group g once it is loaded, and the
-unloader (unload:0) releases the slot when that GEMM is done. Group numbering runs across
-layers, so the loader streams layer i+1's experts while layer i computes.
+slots, `experts_per_slot` experts per slot. Four workers run concurrently: the stager
+(resource stage:0) queues the host memcpy of expert group g into host slot g % R as soon as
+the unloader released it (the C++ copy threads run the queued copies back to back), the
+loader (h2d:0) hands each filled slot to the accelerator, the compute worker (acc:0) runs
+the grouped GEMM of group g once it is loaded, and the unloader (unload:0) releases the slot
+when that GEMM is done. So the memcpy of group g+1 overlaps the host->device transfer of
+group g (double buffering, up to R groups deep), and since group numbering runs across
+layers, the loader streams layer i+1's experts while layer i computes. Option
+double_buffer=False drops the stage ops: each load then fills, waits and transfers in
+sequence (the loader before the double buffering).
 
 Ring size policy: per MoE layer, copy time = expert bytes / h2d rate, compute time = layer
-FLOPs / accelerator rate. Transfer-bound (copy >= compute): R = one full layer of groups,
-so the loader never waits for the compute worker; compute-bound: R = 2 (ping-pong), which
-is all the overlap that is needed and leaves memory for activations. Option ring_slots
-overrides.
+FLOPs / the rate of the dtype the accelerator's GEMMs run in (plan.costs.POLICY_GEMM_DTYPE:
+bf16 under the serving policy). Transfer-bound (copy >= compute): R = as many slots as the
+accelerator memory left after resident weights, cache and peak temporaries holds, up to
+one full layer of groups, so the loader waits for the compute worker as little as memory
+allows; compute-bound: R = 2 (ping-pong), which is all the overlap that is needed. Fewer
+than 2 slots left: the plan does not fit and plan() raises ScheduleError naming the
+numbers (plan/memory.py). Option ring_slots overrides the size (it must still fit).
 """
 
 from __future__ import annotations
 
 from hmoe_jax.config import ModelConfig
-from hmoe_jax.plan import costs
+from hmoe_jax.plan import costs, memory
 from hmoe_jax.plan.format import Plan, PlanBuilder
 from hmoe_jax.plan.system import SystemSpec
 from hmoe_jax.schedules.base import Schedule, ScheduleError
 from hmoe_jax.schedules.cpu import add_attention
 
 
-def layer_times_s(cfg: ModelConfig, system: SystemSpec, num_tokens: int) -> tuple[float, float]:
-    """(copy_s, compute_s) of one MoE layer under SLP: the cost estimate of the ring policy."""
+def layer_times_s(
+    cfg: ModelConfig, system: SystemSpec, num_tokens: int, precision: str = "bf16", start_pos: int = 0
+) -> tuple[float, float]:
+    """(copy_s, compute_s) of one MoE layer under SLP: the cost estimate of the ring policy.
+    Compute is priced at the rate of the dtype that runs (bf16 GEMMs under the bf16 policy:
+    FP8 weights are dequantised to bf16 inside each piece; no FP8 GEMM runs)."""
     copy_s = cfg.n_routed_experts * costs.expert_bytes(cfg) / (system.h2d_gbps * 1e9)
     flops = (
-        costs.attn_flops(cfg, num_tokens)
+        costs.attn_flops(cfg, num_tokens, start_pos)
         + costs.router_flops(cfg, num_tokens)
         + costs.shared_flops(cfg, num_tokens)
         + costs.expert_flops(cfg, num_tokens * cfg.num_experts_per_tok)
     )
-    return copy_s, flops / (system.acc_tflops * 1e12)
+    return copy_s, flops / costs.acc_flops_per_s(system, costs.POLICY_GEMM_DTYPE[precision])
 
 
 def ring_policy(
-    cfg: ModelConfig, system: SystemSpec, num_tokens: int, groups_per_layer: int
+    cfg: ModelConfig, system: SystemSpec, num_tokens: int, groups_per_layer: int, precision: str = "bf16"
 ) -> tuple[int, str]:
-    copy_s, compute_s = layer_times_s(cfg, system, num_tokens)
+    """The ring size compute and copy rates ask for (before memory limits it)."""
+    copy_s, compute_s = layer_times_s(cfg, system, num_tokens, precision)
     if copy_s >= compute_s:
         return groups_per_layer, "transfer-bound"
     return min(2, groups_per_layer), "compute-bound"
@@ -48,33 +61,73 @@ def ring_policy(
 
 class SlpSchedule(Schedule):
     """Options: ring_slots (override the policy), experts_per_slot (default
-    system.slp_experts_per_slot), all_logits (False: lm_head on the last token only)."""
+    system.slp_experts_per_slot), all_logits (False: lm_head on the last token only),
+    double_buffer (True: a stage op per group queues its memcpy ahead of the load); for the
+    memory budget: kv_rows (1) and max_len (start_pos + num_tokens) of the KV pool,
+    precision ("bf16"), attn (the engine's prefill attention options), piece_temps
+    (measured piece temporaries, runtime/compile_probe.py, replacing the estimates)."""
 
     name = "slp"
 
-    def plan(
-        self, cfg: ModelConfig, system: SystemSpec, num_tokens: int, *, devices: int = 1, start_pos: int = 0
-    ) -> Plan:
-        self.check_devices(self.uses_devices(devices))
+    def _groups(self, cfg: ModelConfig, system: SystemSpec) -> tuple[int, list[tuple[int, int]]]:
         per_slot = int(self.options.get("experts_per_slot", system.slp_experts_per_slot))
         if not 1 <= per_slot <= cfg.n_routed_experts:
             raise ScheduleError(
                 f"slp: experts_per_slot={per_slot} must be in [1, n_routed_experts={cfg.n_routed_experts}]"
             )
+        e = cfg.n_routed_experts
+        return per_slot, [(lo, min(lo + per_slot, e)) for lo in range(0, e, per_slot)]
+
+    def budget(
+        self, cfg: ModelConfig, system: SystemSpec, num_tokens: int, *, devices: int = 1, start_pos: int = 0
+    ) -> memory.MemoryBudget:
+        per_slot, groups = self._groups(cfg, system)
+        precision = str(self.options.get("precision", "bf16"))
+        _, bound = ring_policy(cfg, system, num_tokens, len(groups), precision)
+        ring = self.options.get("ring_slots")
+        if ring is not None and int(ring) < 1:
+            raise ScheduleError(f"slp: ring_slots={ring} must be >= 1")
+        try:
+            return memory.slp_budget(
+                cfg,
+                system,
+                num_tokens,
+                groups_per_layer=len(groups),
+                experts_per_slot=per_slot,
+                transfer_bound=bound == "transfer-bound",
+                start_pos=start_pos,
+                kv_rows=self.options.get("kv_rows"),
+                max_len=self.options.get("max_len"),
+                ring_slots=None if ring is None else int(ring),
+                precision=precision,
+                piece_temps=self.options.get("piece_temps"),
+                attn=self.options.get("attn"),
+            )
+        except ValueError as e:
+            raise ScheduleError(f"slp: {e}") from None
+
+    def plan(
+        self, cfg: ModelConfig, system: SystemSpec, num_tokens: int, *, devices: int = 1, start_pos: int = 0
+    ) -> Plan:
+        self.check_devices(self.uses_devices(devices))
+        per_slot, groups = self._groups(cfg, system)
         all_logits = bool(self.options.get("all_logits", False))
+        double_buffer = bool(self.options.get("double_buffer", True))
         e_total = cfg.n_routed_experts
-        groups = [(lo, min(lo + per_slot, e_total)) for lo in range(0, e_total, per_slot)]
-        ring, bound = ring_policy(cfg, system, num_tokens, len(groups))
-        if "ring_slots" in self.options:
-            ring = int(self.options["ring_slots"])
-            if ring < 1:
-                raise ScheduleError(f"slp: ring_slots={ring} must be >= 1")
+        precision = str(self.options.get("precision", "bf16"))
+        _, bound = ring_policy(cfg, system, num_tokens, len(groups), precision)
+        budget = self.budget(cfg, system, num_tokens, devices=devices, start_pos=start_pos)
+        if not budget.fits:
+            raise ScheduleError(f"slp: {budget.message}")
+        ring = budget.ring_slots
         n, k = num_tokens, cfg.num_experts_per_tok
         b = PlanBuilder(self.name, num_tokens)
         unloads: list[int] = []  # by global group number
         h = b.add("embed", "acc:0", tokens=[0, n])
         for layer in range(cfg.num_hidden_layers):
-            h = add_attention(b, cfg, layer, 0, n, start_pos, h)
+            h = add_attention(
+                b, cfg, layer, 0, n, start_pos, h, cache_slots=budget.max_len, attn=self.options.get("attn")
+            )
             if not cfg.is_moe_layer(layer):
                 h = b.add(
                     "dense_ffn",
@@ -100,12 +153,28 @@ class SlpSchedule(Schedule):
                 g = len(unloads)
                 slot = g % ring
                 free = unloads[g - ring] if g >= ring else None
+                nbytes = (hi - lo) * costs.expert_bytes(cfg)
+                st = (
+                    b.add(
+                        "stage",
+                        "stage:0",
+                        layer=layer,
+                        bytes=nbytes,
+                        deps=[free],
+                        slot=slot,
+                        experts=[lo, hi],
+                    )
+                    if double_buffer
+                    else None
+                )
+                # The load also waits for `free` itself: on a GPU it overwrites the device-side
+                # slot, which the previous group's GEMM reads until its unload.
                 ld = b.add(
                     "load",
                     "h2d:0",
                     layer=layer,
-                    bytes=(hi - lo) * costs.expert_bytes(cfg),
-                    deps=[free],
+                    bytes=nbytes,
+                    deps=[st, free],
                     slot=slot,
                     experts=[lo, hi],
                 )
@@ -133,9 +202,11 @@ class SlpSchedule(Schedule):
             tokens=[0, n],
             rows="all" if all_logits else "last",
         )
-        copy_s, compute_s = layer_times_s(cfg, system, num_tokens)
+        copy_s, compute_s = layer_times_s(cfg, system, num_tokens, precision, start_pos)
         return b.build(
             devices=1,
+            compute_dtype=costs.POLICY_GEMM_DTYPE[precision],
+            memory=budget.meta(),
             start_pos=start_pos,
             ring_slots=ring,
             experts_per_slot=per_slot,
@@ -144,4 +215,5 @@ class SlpSchedule(Schedule):
             est_layer_copy_s=copy_s,
             est_layer_compute_s=compute_s,
             all_logits=all_logits,
+            double_buffer=double_buffer,
         )

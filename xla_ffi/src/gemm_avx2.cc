@@ -156,6 +156,50 @@ void int4_tile(const uint16_t* xp, int64_t ks, const Int4Matrix& w, int64_t r0, 
     for (int i = 0; i < MB; ++i) y[i * ldy + r0 + r] = hsum(tot[r][i]);
 }
 
+// BF16: 16 weights (32 bytes) -> two f32 vectors without a shuffle: v << 16 gives the
+// even elements, v & 0xFFFF0000 the odd ones; x (natural order) is split the same way, so
+// the lanes pair up; FMA into even / odd accumulators (two chains). Products are exact.
+template <int R, int MB>
+void bf16_tile(const uint16_t* xp, int64_t ks, const Bf16Matrix& w, int64_t r0, float* y,
+               int64_t ldy, int64_t n_end) {
+  const __m256i odd = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const uint16_t* rows[R];
+  for (int r = 0; r < R; ++r) rows[r] = w.w + (r0 + r) * w.k;
+  const uint16_t* pf = w.w + std::min(r0 + R, n_end - 1) * w.k;
+  __m256 ae[R][MB], ao[R][MB];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < MB; ++i) ae[r][i] = ao[r][i] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < w.k; c += 16) {
+    if ((c & 31) == 0)
+      for (int r = 0; r < R; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(pf + r * w.k + c), _MM_HINT_T1);
+    __m256 xe[MB], xo[MB];
+    for (int i = 0; i < MB; ++i) {  // x is zero padded to a multiple of 64
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + i * ks + c));
+      xe[i] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+      xo[i] = _mm256_castsi256_ps(_mm256_and_si256(v, odd));
+    }
+    for (int r = 0; r < R; ++r) {
+      __m256i v;
+      if (c + 16 <= w.k) {
+        v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[r] + c));
+      } else {  // partial last chunk: never read past the row (it may end the buffer)
+        alignas(32) uint16_t tmp[16] = {0};
+        std::memcpy(tmp, rows[r] + c, (w.k - c) * 2);
+        v = _mm256_load_si256(reinterpret_cast<const __m256i*>(tmp));
+      }
+      const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+      const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, odd));
+      for (int i = 0; i < MB; ++i) {
+        ae[r][i] = _mm256_fmadd_ps(we, xe[i], ae[r][i]);
+        ao[r][i] = _mm256_fmadd_ps(wo, xo[i], ao[r][i]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < MB; ++i) y[i * ldy + r0 + r] = hsum(_mm256_add_ps(ae[r][i], ao[r][i]));
+}
+
 // R = 2 output rows x MB <= 2 activation rows: 8 accumulators of the 16 ymm registers.
 template <typename Matrix, typename Tile11, typename Tile12, typename Tile21, typename Tile22>
 void gemm_rows(const uint16_t* xp, int64_t m, const Matrix& w, int64_t n0, int64_t n1,
@@ -190,6 +234,12 @@ void int4_gemm_rows_avx2(const uint16_t* xp, int64_t m, const Int4Matrix& w, int
                          int64_t n1, float* y, int64_t ldy) {
   gemm_rows(xp, m, w, n0, n1, y, ldy, int4_tile<1, 1>, int4_tile<1, 2>, int4_tile<2, 1>,
             int4_tile<2, 2>);
+}
+
+void bf16_gemm_rows_avx2(const uint16_t* xp, int64_t m, const Bf16Matrix& w, int64_t n0,
+                         int64_t n1, float* y, int64_t ldy) {
+  gemm_rows(xp, m, w, n0, n1, y, ldy, bf16_tile<1, 1>, bf16_tile<1, 2>, bf16_tile<2, 1>,
+            bf16_tile<2, 2>);
 }
 
 }  // namespace hmoe

@@ -18,6 +18,7 @@
 // 0.9-1.0 of the read probe's bandwidth, T0 (into L1) 0.6-0.7, none 0.65.
 // Everything here is in an anonymous namespace: this file is compiled with AVX-512
 // flags, and a shared inline template would risk generic code calling AVX-512 code.
+// The BF16 kernels live in gemm_bf16_avx512.cc; helpers both use, in gemm_avx512_inl.h.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -25,6 +26,7 @@
 #include <vector>
 
 #include "gemm_kernels.h"
+#include "gemm_avx512_inl.h"
 
 namespace hmoe {
 namespace {
@@ -70,30 +72,6 @@ inline void decode_fp8(__m512i codes, const Fp8Tables& t, __m512i sign, __m512i&
   const __m512i lo = _mm512_permutex2var_epi8(t.lo0, codes, t.lo1);
   a = _mm512_unpacklo_epi8(lo, hi);
   b = _mm512_unpackhi_epi8(lo, hi);
-}
-
-inline __m512 dp(__m512 acc, __m512i w, __m512i x) {
-  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(w), reinterpret_cast<__m512bh>(x));
-}
-
-// Horizontal sum (GCC 12's _mm512_reduce_add_ps trips -Wuninitialized in its header).
-inline float hsum(__m512 v) {
-  const __m256 h = _mm256_add_ps(_mm512_extractf32x8_ps(v, 0), _mm512_extractf32x8_ps(v, 1));
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// Software prefetch: for each 64-byte line of this row tile, the line at the same offset
-// `prefetch_tiles` tiles ahead, so that at least kPrefetchAheadBytes are in flight ahead of
-// the loads. One tile ahead was too close for short rows: an INT4 q_b tile (4 rows of
-// 768 B) is 3 KiB, ~0.1-0.2 us of work per core, below this VM's DRAM latency; measured
-// side by side (2 threads, 2 GiB sets, 2026-12-03): INT4 [24576, 1536] 25 -> 30 GB/s, FP8
-// +5-10% there; K = 2048 INT4 +0-10%; the K = 7168 tiles (>= 14 KiB) keep 1 tile.
-constexpr int64_t kPrefetchAheadBytes = 8192;
-inline int64_t prefetch_tiles(int64_t tile_bytes) {
-  return std::max<int64_t>(1, (kPrefetchAheadBytes + tile_bytes - 1) / tile_bytes);
 }
 
 template <int R, int MB>
@@ -511,6 +489,10 @@ void pack_x_avx512(WeightFormat fmt, const float* xf, const uint16_t* xb, int64_
         _mm512_storeu_si512(out + c + 64, _mm512_permutex2var_epi16(z0, t.int4_odd, z2));
         _mm512_storeu_si512(out + c + 96, _mm512_permutex2var_epi16(z1, t.int4_odd, z3));
       }
+      for (; c < ks; c += 32) _mm512_storeu_si512(out + c, load_bf16x32(rf, rb, c, k));
+      continue;
+    }
+    if (fmt == WeightFormat::kBf16) {  // natural order
       for (; c < ks; c += 32) _mm512_storeu_si512(out + c, load_bf16x32(rf, rb, c, k));
       continue;
     }

@@ -5,6 +5,11 @@
 //                 block_n, block_k
 //   hmoe_int4_gemm(x [..., K] f32|bf16, q [1.., N, K/2] u8, scale [1.., N, K/group] bf16|u16)
 //                 -> y [..., N] f32;  attrs max_isa, num_threads
+//   hmoe_bf16_gemm(x [..., K] f32|bf16, w [1.., N, K] bf16|u16) -> y [..., N] f32;
+//                 attrs max_isa, num_threads
+//   hmoe_fp8_bmv(x [..., H, K] f32|bf16, w [1.., H, N, K] f8e4m3fn|u8, scale [1.., H,
+//                 ceil(N/bn), ceil(K/bk)] f32) -> y [..., H, N] f32 (one FP8 GEMV per head);
+//                 attrs max_isa, num_threads, block_n, block_k
 // Leading dims of x are flattened into M; weights may carry leading size-1 dims (what
 // vmap_method="expand_dims" adds). Every error names its operand.
 #include <algorithm>
@@ -200,8 +205,140 @@ ffi::Error Int4GemmImpl(ffi::AnyBuffer x, ffi::AnyBuffer q, ffi::AnyBuffer scale
   return ffi::Error::Success();
 }
 
+ffi::Error Bf16GemmImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
+                        int64_t max_isa, int64_t num_threads) {
+  const char* op = "hmoe_bf16_gemm";
+  if (w.element_type() != ffi::DataType::BF16 && w.element_type() != ffi::DataType::U16)
+    return invalid(std::string(op) + ": w dtype must be bfloat16 (or its uint16 bits), got " +
+                   dtype_str(w.element_type()));
+  Bf16Matrix mat;
+  if (auto e = matrix_dims(op, "w", w, mat.n, mat.k); e.failure()) return e;
+  if (auto msg = check_bf16(mat); !msg.empty()) return invalid(std::string(op) + ": " + msg);
+  mat.w = static_cast<const uint16_t*>(w.untyped_data());
+  const Isa isa = requested_isa(max_isa);
+  Activations a;
+  if (auto e = pack_activations(op, isa, WeightFormat::kBf16, x, mat.k, a); e.failure())
+    return e;
+  if (y->element_count() != static_cast<size_t>(a.m * mat.n) ||
+      y->element_type() != ffi::DataType::F32)
+    return invalid(std::string(op) + ": result must be float32 with M*N elements, got shape " +
+                   dims_str(*y));
+  float* out = static_cast<float*>(y->untyped_data());
+  run_rows(mat.n, 2 * mat.k, num_threads, [&](int64_t n0, int64_t n1) {
+    bf16_gemm_rows(isa, a.packed.data(), a.m, mat, n0, n1, out, mat.n);
+  });
+  return ffi::Error::Success();
+}
+
+// The last three dims of a stacked per-head operand [1.., H, rows, cols].
+ffi::Error stack_dims(const char* op, const char* name, ffi::AnyBuffer b, int64_t& heads,
+                      int64_t& rows, int64_t& cols) {
+  auto d = b.dimensions();
+  if (d.size() < 3)
+    return invalid(std::string(op) + ": " + name + " must have rank >= 3 ([H, ., .]), got shape " +
+                   dims_str(b));
+  for (size_t i = 0; i + 3 < d.size(); ++i)
+    if (d[i] != 1)
+      return invalid(std::string(op) + ": " + name +
+                     " leading dims must be 1 (one head stack per call), got shape " + dims_str(b));
+  heads = d[d.size() - 3];
+  rows = d[d.size() - 2];
+  cols = d[d.size() - 1];
+  return ffi::Error::Success();
+}
+
+// y[b, h, :] = W[h] x[b, h, :] for H independent FP8 matrices W[h] [N, K]: each head is an
+// Fp8Matrix view into the stack (pointer offsets) run by the FP8 kernel's fp8_gemm_rows,
+// with x rows of stride H*K and y rows of stride H*N. Tasks split the H*N stacked rows
+// (run_rows' guided split); a task crossing a head boundary makes one call per head.
+ffi::Error Fp8BmvImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale,
+                      ffi::Result<ffi::AnyBuffer> y, int64_t max_isa, int64_t num_threads,
+                      int64_t block_n, int64_t block_k) {
+  const char* op = "hmoe_fp8_bmv";
+  if (w.element_type() != ffi::DataType::F8E4M3FN && w.element_type() != ffi::DataType::U8)
+    return invalid(std::string(op) + ": w dtype must be float8_e4m3fn (or its uint8 bits), got " +
+                   dtype_str(w.element_type()));
+  if (scale.element_type() != ffi::DataType::F32)
+    return invalid(std::string(op) + ": scale dtype must be float32, got " +
+                   dtype_str(scale.element_type()));
+  int64_t h = 0;
+  Fp8Matrix head;
+  if (auto e = stack_dims(op, "w", w, h, head.n, head.k); e.failure()) return e;
+  if (h <= 0)
+    return invalid(std::string(op) + ": w must have H >= 1 heads, got shape " + dims_str(w));
+  head.block_n = block_n;
+  head.block_k = block_k;
+  if (auto msg = check_fp8(head); !msg.empty()) return invalid(std::string(op) + ": " + msg);
+  int64_t sh = 0, snb = 0, skb = 0;
+  if (auto e = stack_dims(op, "scale", scale, sh, snb, skb); e.failure()) return e;
+  const int64_t enb = (head.n + block_n - 1) / block_n, ekb = (head.k + block_k - 1) / block_k;
+  if (sh != h || snb != enb || skb != ekb)
+    return invalid(std::string(op) + ": scale grid " + dims_str(scale) + " does not match w " +
+                   dims_str(w) + " with blocks " + std::to_string(block_n) + "x" +
+                   std::to_string(block_k) + ": expected [" + std::to_string(h) + ", " +
+                   std::to_string(enb) + ", " + std::to_string(ekb) + "]");
+  auto xd = x.dimensions();
+  if (xd.size() < 2 || xd[xd.size() - 1] != head.k || xd[xd.size() - 2] != h)
+    return invalid(std::string(op) + ": x shape " + dims_str(x) + " must end in [H, K]=[" +
+                   std::to_string(h) + ", " + std::to_string(head.k) +
+                   "] (the weight's heads, input dim)");
+  const auto xt = x.element_type();
+  if (xt != ffi::DataType::F32 && xt != ffi::DataType::BF16)
+    return invalid(std::string(op) + ": x dtype must be float32 or bfloat16, got " + dtype_str(xt));
+  int64_t b = 1;
+  for (size_t i = 0; i + 2 < xd.size(); ++i) b *= xd[i];
+  if (y->element_count() != static_cast<size_t>(b * h * head.n) ||
+      y->element_type() != ffi::DataType::F32)
+    return invalid(std::string(op) + ": result must be float32 with B*H*N elements, got shape " +
+                   dims_str(*y));
+  const Isa isa = requested_isa(max_isa);
+  // Packed x per head: xp[h] is [b, ks] (head h's rows of x, stride H*K in x).
+  const int64_t ks = packed_x_stride(head.k);
+  std::vector<uint16_t> xp(std::max<int64_t>(1, h * b * ks));
+  for (int64_t j = 0; j < h; ++j) {
+    if (xt == ffi::DataType::F32)
+      pack_x_f32(isa, WeightFormat::kFp8, static_cast<const float*>(x.untyped_data()) + j * head.k,
+                 b, h * head.k, head.k, xp.data() + j * b * ks);
+    else
+      pack_x_bf16(isa, WeightFormat::kFp8,
+                  static_cast<const uint16_t*>(x.untyped_data()) + j * head.k, b, h * head.k,
+                  head.k, xp.data() + j * b * ks);
+  }
+  const auto* codes = static_cast<const uint8_t*>(w.untyped_data());
+  const auto* scales = static_cast<const float*>(scale.untyped_data());
+  float* out = static_cast<float*>(y->untyped_data());
+  run_rows(h * head.n, head.k, num_threads, [&](int64_t g0, int64_t g1) {
+    for (int64_t j = g0 / head.n; j * head.n < g1; ++j) {
+      Fp8Matrix mj = head;
+      mj.w = codes + j * head.n * head.k;
+      mj.scale = scales + j * enb * ekb;
+      const int64_t n0 = std::max(g0 - j * head.n, int64_t{0});
+      const int64_t n1 = std::min(g1 - j * head.n, head.n);
+      fp8_gemm_rows(isa, xp.data() + j * b * ks, b, mj, n0, n1, out + j * head.n, h * head.n);
+    }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HmoeBf16Gemm, Bf16GemmImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("max_isa")
+                                  .Attr<int64_t>("num_threads"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HmoeFp8Bmv, Fp8BmvImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("max_isa")
+                                  .Attr<int64_t>("num_threads")
+                                  .Attr<int64_t>("block_n")
+                                  .Attr<int64_t>("block_k"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HmoeFp8Gemm, Fp8GemmImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
@@ -222,5 +359,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HmoeInt4Gemm, Int4GemmImpl,
                                   .Attr<int64_t>("num_threads"));
 HMOE_FFI_TARGET("hmoe_fp8_gemm", HmoeFp8Gemm);
 HMOE_FFI_TARGET("hmoe_int4_gemm", HmoeInt4Gemm);
+HMOE_FFI_TARGET("hmoe_bf16_gemm", HmoeBf16Gemm);
+HMOE_FFI_TARGET("hmoe_fp8_bmv", HmoeFp8Bmv);
 
 }  // namespace hmoe

@@ -55,7 +55,19 @@ struct Int4Matrix {
   int64_t group = 64;
 };
 
-enum class WeightFormat : int { kFp8 = 0, kInt4 = 1 };
+// Plain bf16 weight [n, k], row-major (row stride k elements), raw bf16 bits: no scales,
+// so each output is one f32 sum over the whole row (products bf16 x bf16 exact in f32).
+// Any k >= 1 (the SIMD paths mask the last partial vector of a row). The AVX-512 path's
+// vdpbf16ps treats bf16 subnormals (|v| < 2^-126) as zero and flushes subnormal sums,
+// by its ISA definition; the AVX2 and portable paths keep them.
+struct Bf16Matrix {
+  const uint16_t* w = nullptr;
+  int64_t n = 0;
+  int64_t k = 0;
+};
+
+// kBf16's packed activation layout is the natural order on every ISA (zero padded).
+enum class WeightFormat : int { kFp8 = 0, kInt4 = 1, kBf16 = 2 };
 
 // The ISA a kernel call really runs: `requested` clamped to what this build and CPU
 // support (kAmx runs the AVX-512 kernels: no AMX kernel yet).
@@ -82,10 +94,13 @@ void fp8_gemm_rows(Isa isa, const uint16_t* xp, int64_t m, const Fp8Matrix& w, i
                    int64_t n1, float* y, int64_t ldy);
 void int4_gemm_rows(Isa isa, const uint16_t* xp, int64_t m, const Int4Matrix& w, int64_t n0,
                     int64_t n1, float* y, int64_t ldy);
+void bf16_gemm_rows(Isa isa, const uint16_t* xp, int64_t m, const Bf16Matrix& w, int64_t n0,
+                    int64_t n1, float* y, int64_t ldy);
 
 // Empty when the matrix is valid, else a one-line message naming the field.
 std::string check_fp8(const Fp8Matrix& w);
 std::string check_int4(const Int4Matrix& w);
+std::string check_bf16(const Bf16Matrix& w);
 
 // Scalar helpers (exact decode tables, bf16 rounding) shared by the portable path.
 float fp8_e4m3_to_f32(uint8_t code);  // NaN codes 0x7F / 0xFF -> quiet NaN
@@ -105,6 +120,12 @@ void int4_gemm_rows_portable(const uint16_t* xp, int64_t m, const Int4Matrix& w,
 void int4_gemm_rows_avx2(const uint16_t* xp, int64_t m, const Int4Matrix& w, int64_t n0,
                          int64_t n1, float* y, int64_t ldy);
 void int4_gemm_rows_avx512(const uint16_t* xp, int64_t m, const Int4Matrix& w, int64_t n0,
+                           int64_t n1, float* y, int64_t ldy);
+void bf16_gemm_rows_portable(const uint16_t* xp, int64_t m, const Bf16Matrix& w, int64_t n0,
+                             int64_t n1, float* y, int64_t ldy);
+void bf16_gemm_rows_avx2(const uint16_t* xp, int64_t m, const Bf16Matrix& w, int64_t n0,
+                         int64_t n1, float* y, int64_t ldy);
+void bf16_gemm_rows_avx512(const uint16_t* xp, int64_t m, const Bf16Matrix& w, int64_t n0,
                            int64_t n1, float* y, int64_t ldy);
 // pack_x_f32 / pack_x_bf16 for the AVX-512 layouts (exactly one of xf, xb non-null).
 void pack_x_avx512(WeightFormat fmt, const float* xf, const uint16_t* xb, int64_t m,

@@ -71,7 +71,7 @@ void pack_x(Isa isa, WeightFormat fmt, const float* xf, const uint16_t* xb, int6
 }  // namespace
 
 int64_t packed_x_source(Isa resolved, WeightFormat fmt, int64_t k, int64_t p) {
-  if (resolved != Isa::kAvx512) return p;
+  if (resolved != Isa::kAvx512 || fmt == WeightFormat::kBf16) return p;
   if (fmt == WeightFormat::kFp8) return (p / 64) * 64 + avx512_fp8_source(p % 64);
   // INT4: whole 128-blocks permuted, a trailing 64-chunk (k % 128 == 64) in natural order
   if ((p / 128 + 1) * 128 > k) return p;
@@ -136,6 +136,13 @@ std::string check_int4(const Int4Matrix& w) {
   return "";
 }
 
+std::string check_bf16(const Bf16Matrix& w) {
+  if (w.n <= 0 || w.k <= 0)
+    return "bf16 weight: shape [" + std::to_string(w.n) + ", " + std::to_string(w.k) +
+           "] must be non-empty";
+  return "";
+}
+
 void fp8_gemm_rows(Isa isa, const uint16_t* xp, int64_t m, const Fp8Matrix& w, int64_t n0,
                    int64_t n1, float* y, int64_t ldy) {
   switch (gemm_isa(isa)) {
@@ -153,6 +160,16 @@ void int4_gemm_rows(Isa isa, const uint16_t* xp, int64_t m, const Int4Matrix& w,
     case Isa::kAmx: return int4_gemm_rows_avx512(xp, m, w, n0, n1, y, ldy);
     case Isa::kAvx2: return int4_gemm_rows_avx2(xp, m, w, n0, n1, y, ldy);
     case Isa::kPortable: return int4_gemm_rows_portable(xp, m, w, n0, n1, y, ldy);
+  }
+}
+
+void bf16_gemm_rows(Isa isa, const uint16_t* xp, int64_t m, const Bf16Matrix& w, int64_t n0,
+                    int64_t n1, float* y, int64_t ldy) {
+  switch (gemm_isa(isa)) {
+    case Isa::kAvx512:
+    case Isa::kAmx: return bf16_gemm_rows_avx512(xp, m, w, n0, n1, y, ldy);
+    case Isa::kAvx2: return bf16_gemm_rows_avx2(xp, m, w, n0, n1, y, ldy);
+    case Isa::kPortable: return bf16_gemm_rows_portable(xp, m, w, n0, n1, y, ldy);
   }
 }
 
@@ -209,6 +226,26 @@ void int4_gemm_rows_portable(const uint16_t* xp, int64_t m, const Int4Matrix& w,
         }
         const float s = bf16_to_f32(srow[g]);
         for (int64_t i = 0; i < mb; ++i) tot[i] += blk[i] * s;
+      }
+      for (int64_t i = 0; i < mb; ++i) y[(i0 + i) * ldy + r] = tot[i];
+    }
+  }
+}
+
+// Portable BF16: row by row, one f32 sum per output in k order; each weight is converted
+// once and reused for up to kMb activation rows.
+void bf16_gemm_rows_portable(const uint16_t* xp, int64_t m, const Bf16Matrix& w, int64_t n0,
+                             int64_t n1, float* y, int64_t ldy) {
+  const int64_t ks = packed_x_stride(w.k);
+  constexpr int64_t kMb = 8;
+  for (int64_t r = n0; r < n1; ++r) {
+    const uint16_t* wr = w.w + r * w.k;
+    for (int64_t i0 = 0; i0 < m; i0 += kMb) {
+      const int64_t mb = std::min(kMb, m - i0);
+      float tot[kMb] = {0};
+      for (int64_t kk = 0; kk < w.k; ++kk) {
+        const float wv = bf16_to_f32(wr[kk]);
+        for (int64_t i = 0; i < mb; ++i) tot[i] += bf16_to_f32(xp[(i0 + i) * ks + kk]) * wv;
       }
       for (int64_t i = 0; i < mb; ++i) y[(i0 + i) * ldy + r] = tot[i];
     }

@@ -104,7 +104,7 @@ std::string StagingRing::fill(int slot, std::vector<CopySegment> segments) {
     return "fill: slot " + std::to_string(slot) + " is not free (state " + std::to_string(int(slots_[slot])) +
            "); release it after its last use";
   slots_[slot] = SlotState::kFilling;
-  jobs_.push_back(Job{slot, std::move(segments)});
+  jobs_.push_back(Job{slot, std::move(segments), monotonic_ns()});
   cv_jobs_.notify_one();
   return "";
 }
@@ -130,6 +130,27 @@ std::string StagingRing::release(int slot) {
 int StagingRing::state(int slot) {
   std::lock_guard<std::mutex> lk(mu_);
   return (slot < 0 || slot >= n_slots()) ? -1 : int(slots_[slot]);
+}
+
+bool StagingRing::set_pinned(bool on) {
+  size_t total = slot_bytes_ * slots_.size();
+  if (on && !pinned_) pinned_ = try_pin(arena_, total);
+  if (!on && pinned_) {
+    unpin(arena_);
+    pinned_ = false;
+  }
+  return pinned_;
+}
+
+void StagingRing::bind_device(uintptr_t device_ptr, int slot) {
+  std::lock_guard<std::mutex> lk(mu_);
+  bound_[device_ptr] = slot;
+}
+
+int StagingRing::bound_slot(uintptr_t device_ptr) {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = bound_.find(device_ptr);
+  return it == bound_.end() ? -1 : it->second;
 }
 
 void StagingRing::link_loop() {
@@ -165,7 +186,8 @@ void StagingRing::copy_job(const Job& job) {
     current_ = &job;
     next_chunk_ = 0;
     paced_bytes_ = 0;
-    job_start_ns_ = monotonic_ns();
+    int64_t now = monotonic_ns();
+    job_start_ns_ = link_due_ns_ >= job.enqueue_ns ? link_due_ns_ : now;
     ++generation_;
   }
   cv_work_.notify_all();
@@ -173,6 +195,11 @@ void StagingRing::copy_job(const Job& job) {
   std::unique_lock<std::mutex> lk(work_mu_);
   current_ = nullptr;  // helpers that wake late find no work
   cv_work_done_.wait(lk, [&] { return busy_helpers_ == 0; });
+  if (rate_ > 0) {
+    size_t total = 0;
+    for (const auto& seg : job.segments) total += seg.bytes;
+    link_due_ns_ = job_start_ns_ + static_cast<int64_t>(1e9 * double(total) / rate_);
+  }
 }
 
 void StagingRing::copy_chunks() {
@@ -290,6 +317,17 @@ __attribute__((visibility("default"))) uint64_t hmoe_ring_fills_done(void* ring)
 }
 
 __attribute__((visibility("default"))) int64_t hmoe_monotonic_ns() { return hmoe::monotonic_ns(); }
+
+__attribute__((visibility("default"))) int hmoe_ring_set_pinned(void* ring, int on) {
+  return static_cast<hmoe::StagingRing*>(ring)->set_pinned(on != 0);
+}
+
+__attribute__((visibility("default"))) int hmoe_ring_bind_device(void* ring, uint64_t device_ptr, int slot) {
+  auto* r = static_cast<hmoe::StagingRing*>(ring);
+  if (slot < 0 || slot >= r->n_slots()) return fail("bind_device: slot " + std::to_string(slot) + " out of range");
+  r->bind_device(static_cast<uintptr_t>(device_ptr), slot);
+  return 0;
+}
 }
 
 // ---- XLA FFI: hmoe_staging_wait(ring: i64 attr, slot: i32 attr) -> s64[2] (copy start, end ns).
@@ -315,3 +353,135 @@ ffi::Error StagingWaitImpl(int64_t ring, int32_t slot, ffi::ResultBuffer<ffi::S6
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HmoeStagingWait, StagingWaitImpl,
                               ffi::Ffi::Bind().Attr<int64_t>("ring").Attr<int32_t>("slot").Ret<ffi::Buffer<ffi::S64>>());
 HMOE_FFI_TARGET("hmoe_staging_wait", HmoeStagingWait);
+
+// ---- XLA FFI: hmoe_staging_put(ring: i64 attr, offsets: i64[] attr; N donated device slot
+// buffers aliased to the N results). Copies host slot bytes [offsets[i], + size of buffer i)
+// into buffer i IN PLACE: the device side of the ring is R fixed buffers allocated once, not a
+// fresh allocation per group. The host slot is the one bound (hmoe_ring_bind_device) to the
+// address of buffer 0, and it must be filled (ready). Two handlers: CPU (memcpy; on a CPU
+// stand-in the engine aliases the slot instead, so this runs only when asked for) and CUDA
+// (cuMemcpyHtoDAsync from the page-locked slot on XLA's stream: one DMA, no staging copy).
+namespace {
+struct PutCopy {
+  void* dst;
+  const uint8_t* src;
+  size_t bytes;
+};
+
+// Validates the call and lists its copies (no XLA types below this function).
+ffi::Error PlanPut(int64_t ring, ffi::Span<const int64_t> offsets, ffi::RemainingArgs args,
+                   ffi::RemainingRets rets, std::vector<PutCopy>* copies) {
+  if (ring == 0) return ffi::Error::InvalidArgument("hmoe_staging_put: attribute ring is a null handle");
+  if (rets.size() == 0 || rets.size() != args.size() || rets.size() != offsets.size())
+    return ffi::Error::InvalidArgument("hmoe_staging_put: need N operands, N results and N offsets, got " +
+                                       std::to_string(args.size()) + ", " + std::to_string(rets.size()) +
+                                       ", " + std::to_string(offsets.size()));
+  auto* r = reinterpret_cast<hmoe::StagingRing*>(ring);
+  for (size_t i = 0; i < rets.size(); ++i) {
+    auto out = rets.get<ffi::AnyBuffer>(i);
+    auto in = args.get<ffi::AnyBuffer>(i);
+    if (!out.has_value() || !in.has_value())
+      return ffi::Error::InvalidArgument("hmoe_staging_put: operand/result " + std::to_string(i) + " is not a buffer");
+    void* dst = (*out)->untyped_data();
+    if (dst != in->untyped_data())
+      return ffi::Error::InvalidArgument("hmoe_staging_put: result " + std::to_string(i) +
+                                         " is not aliased to its operand (donate the device slot buffers)");
+    copies->push_back({dst, nullptr, (*out)->size_bytes()});
+  }
+  int slot = r->bound_slot(reinterpret_cast<uintptr_t>(copies->front().dst));
+  if (slot < 0)
+    return ffi::Error::InvalidArgument(
+        "hmoe_staging_put: device buffer 0 is not bound to a ring slot (it was reallocated: not in place)");
+  if (r->state(slot) != int(hmoe::SlotState::kReady))
+    return ffi::Error::InvalidArgument("hmoe_staging_put: host slot " + std::to_string(slot) + " is not filled");
+  for (size_t i = 0; i < copies->size(); ++i) {
+    auto& c = (*copies)[i];
+    if (offsets[i] < 0 || size_t(offsets[i]) + c.bytes > r->slot_bytes())
+      return ffi::Error::InvalidArgument("hmoe_staging_put: field " + std::to_string(i) + " [" +
+                                         std::to_string(offsets[i]) + ", +" + std::to_string(c.bytes) +
+                                         ") exceeds slot_bytes " + std::to_string(r->slot_bytes()));
+    c.src = r->slot_ptr(slot) + offsets[i];
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error StagingPutCpuImpl(int64_t ring, ffi::Span<const int64_t> offsets, ffi::RemainingArgs args,
+                             ffi::RemainingRets rets) {
+  std::vector<PutCopy> copies;
+  if (auto err = PlanPut(ring, offsets, args, rets, &copies); err.failure()) return err;
+  for (const auto& c : copies) std::memcpy(c.dst, c.src, c.bytes);
+  return ffi::Error::Success();
+}
+
+// CUDA driver API, resolved at run time (this extension links no CUDA library): libcuda is
+// the one driver instance every CUDA user in the process shares, so XLA's stream and context
+// are valid here. Untested on this project's machines (no GPU).
+struct CudaDriver {
+  using Fn_GetCtx = int (*)(void*, void**);
+  using Fn_Push = int (*)(void*);
+  using Fn_Pop = int (*)(void**);
+  using Fn_Copy = int (*)(unsigned long long, const void*, size_t, void*);
+  Fn_GetCtx stream_get_ctx = nullptr;
+  Fn_Push ctx_push = nullptr;
+  Fn_Pop ctx_pop = nullptr;
+  Fn_Copy memcpy_htod_async = nullptr;
+  bool ok() const { return stream_get_ctx && ctx_push && ctx_pop && memcpy_htod_async; }
+};
+
+const CudaDriver& cuda_driver() {
+  static const CudaDriver d = [] {
+    CudaDriver d;
+    void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
+    if (!h) h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!h) return d;
+    d.stream_get_ctx = reinterpret_cast<CudaDriver::Fn_GetCtx>(dlsym(h, "cuStreamGetCtx"));
+    d.ctx_push = reinterpret_cast<CudaDriver::Fn_Push>(dlsym(h, "cuCtxPushCurrent_v2"));
+    d.ctx_pop = reinterpret_cast<CudaDriver::Fn_Pop>(dlsym(h, "cuCtxPopCurrent_v2"));
+    d.memcpy_htod_async = reinterpret_cast<CudaDriver::Fn_Copy>(dlsym(h, "cuMemcpyHtoDAsync_v2"));
+    return d;
+  }();
+  return d;
+}
+
+ffi::Error StagingPutCudaImpl(void* stream, int64_t ring, ffi::Span<const int64_t> offsets,
+                              ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  std::vector<PutCopy> copies;
+  if (auto err = PlanPut(ring, offsets, args, rets, &copies); err.failure()) return err;
+  const CudaDriver& cu = cuda_driver();
+  if (!cu.ok()) return ffi::Error::Internal("hmoe_staging_put (CUDA): libcuda.so.1 or its symbols not found");
+  void* ctx = nullptr;
+  if (int rc = cu.stream_get_ctx(stream, &ctx); rc != 0)
+    return ffi::Error::Internal("hmoe_staging_put (CUDA): cuStreamGetCtx failed: " + std::to_string(rc));
+  cu.ctx_push(ctx);
+  int rc = 0;
+  for (const auto& c : copies) {
+    // Enqueued on XLA's stream: ordered after earlier work on these buffers and before any
+    // reader of the results; the source slot stays untouched until the executor has seen
+    // this op's results ready (the loader blocks), so the DMA never reads a refilled slot.
+    rc = cu.memcpy_htod_async(reinterpret_cast<unsigned long long>(c.dst), c.src, c.bytes, stream);
+    if (rc != 0) break;
+  }
+  void* popped = nullptr;
+  cu.ctx_pop(&popped);
+  if (rc != 0) return ffi::Error::Internal("hmoe_staging_put (CUDA): cuMemcpyHtoDAsync failed: " + std::to_string(rc));
+  return ffi::Error::Success();
+}
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HmoeStagingPut, StagingPutCpuImpl,
+                              ffi::Ffi::Bind()
+                                  .Attr<int64_t>("ring")
+                                  .Attr<ffi::Span<const int64_t>>("offsets")
+                                  .RemainingArgs()
+                                  .RemainingRets());
+HMOE_FFI_TARGET("hmoe_staging_put", HmoeStagingPut);
+
+// Registered by runtime/staging.py under the name hmoe_staging_put for platform CUDA.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HmoeStagingPutCuda, StagingPutCudaImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<void*>>()
+                                  .Attr<int64_t>("ring")
+                                  .Attr<ffi::Span<const int64_t>>("offsets")
+                                  .RemainingArgs()
+                                  .RemainingRets());
+HMOE_FFI_TARGET("hmoe_staging_put_cuda", HmoeStagingPutCuda);

@@ -16,6 +16,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 namespace hmoe {
@@ -40,6 +41,9 @@ class StagingRing {
   size_t slot_bytes() const { return slot_bytes_; }
   uint8_t* slot_ptr(int slot) const { return arena_ + static_cast<size_t>(slot) * slot_bytes_; }
   bool pinned() const { return pinned_; }
+  // Page-lock (cudaHostRegister) or unlock the arena; returns the resulting state. A GPU
+  // engine unlocks it to hand the registration to XLA instead (Client.dma_map).
+  bool set_pinned(bool on);
 
   // Queue a fill; returns "" or an error message naming the problem.
   std::string fill(int slot, std::vector<CopySegment> segments);
@@ -48,6 +52,12 @@ class StagingRing {
   std::string release(int slot);
   int state(int slot);
 
+  // Device ring: a preallocated accelerator-side slot buffer, known by the address of its
+  // first field, is bound to host slot `slot` (hmoe_staging_put finds its source that way;
+  // an address that is not bound means the buffer was reallocated, i.e. not updated in place).
+  void bind_device(uintptr_t device_ptr, int slot);
+  int bound_slot(uintptr_t device_ptr);  // -1 if not bound
+
   uint64_t bytes_copied() const { return bytes_copied_.load(); }
   uint64_t fills_done() const { return fills_done_.load(); }
 
@@ -55,6 +65,7 @@ class StagingRing {
   struct Job {
     int slot;
     std::vector<CopySegment> segments;
+    int64_t enqueue_ns;
   };
   void link_loop();
   void helper_loop();
@@ -71,6 +82,7 @@ class StagingRing {
   std::mutex mu_;
   std::condition_variable cv_jobs_, cv_ready_;
   std::deque<Job> jobs_;
+  std::unordered_map<uintptr_t, int> bound_;  // device slot buffer -> host slot
   bool stop_ = false;
   std::thread link_;
 
@@ -82,7 +94,11 @@ class StagingRing {
   std::atomic<size_t> next_chunk_{0};
   std::atomic<size_t> paced_bytes_{0};
   int busy_helpers_ = 0;
+  // Rate cap: the emulated link is a FIFO server. A fill queued while the link is busy is
+  // paced from the previous fill's due time (so the link's throughput is the cap even when a
+  // copy thread wakes late), one queued while it is idle from when its copy starts.
   int64_t job_start_ns_ = 0;
+  int64_t link_due_ns_ = 0;
   std::vector<std::pair<size_t, size_t>> chunks_;  // (segment index, offset within it)
   std::vector<std::thread> helpers_;
 

@@ -1,0 +1,278 @@
+"""Memory-bounded MLA for the engine: blocked (flash-style) prefill and batched decode over
+a pool of per-sequence cache rows. `mla.mla_attend` (dense scores, one softmax) is the
+reference these are tested against.
+
+Prefill (one sequence, T new tokens at positions start..start+T-1 of cache row `row`):
+the new tokens' latent/k_rope are written into the row, then queries run in blocks of
+`q_block` (projections, RoPE, attention and o_proj inside the block, so no [T, H, ...]
+tensor exists) and each query block walks the key blocks 0..(its last position)/k_block
+with an online softmax (blocks entirely above the causal diagonal are never visited;
+masking only bites on the diagonal block). Peak temporaries are those of one (query
+block, key block) pair: independent of T beyond the block sizes.
+
+Two forms of the same maths (mla.py explains absorbed vs expanded):
+- "expanded" (long prefill): each key block's latents go through kv_b into per-head
+  K_nope / V ([k_block, H, dn + dv], re-expanded for every query block), scores cost
+  H (dn + dr) per query-key pair: ~3x fewer FLOPs than absorbed at DeepSeek-V3 dims.
+- "absorbed" (decode, short chunks): queries are mapped into the latent space
+  (q_lat = W_uk^T q_nope) and attend to the 576-value cache directly; the latent output
+  goes through W_uv. No per-key expansion, H (2 R + dr) per pair.
+`plan.costs.attn_flops` prices exactly these forms and block walks.
+
+Decode (B rows at their own positions pos[b]): absorbed form over the rows' valid prefix,
+read as the first `kv_len` cache slots (a static bucket >= max(pos) + 1), masked per row.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from hmoe_jax.config import ModelConfig
+from hmoe_jax.model.layers import dense_weight, linear, rms_norm
+from hmoe_jax.model.mla import LORA_NORM_EPS
+from hmoe_jax.model.params import MLAParams
+from hmoe_jax.model.precision import F32, Precision
+from hmoe_jax.model.rope import apply_rope, rope_cos_sin
+from hmoe_jax.quant.fp8 import Fp8Tensor
+
+FORMS = ("auto", "absorbed", "expanded")
+# Below this many query tokens the absorbed form is cheaper (the expanded form pays the
+# per-key expansion through kv_b for every query block; see plan.costs.attn_flops).
+EXPANDED_MIN_TOKENS = 256
+
+
+def resolve_form(form: str, tokens: int) -> str:
+    if form not in FORMS:
+        raise ValueError(f"attention form {form!r}: expected one of {FORMS}")
+    if form == "auto":
+        return "expanded" if tokens >= EXPANDED_MIN_TOKENS else "absorbed"
+    return form
+
+
+def key_block(k_block: int, cache_len: int) -> int:
+    """The key block actually used: a divisor of the cache length (cache lengths are
+    multiples of 64, plan.buckets), so every dynamic slice of a block stays in bounds."""
+    return math.gcd(int(k_block), int(cache_len))
+
+
+def _lin(x, w, prec: Precision):
+    return linear(x, w, prec=prec)
+
+
+def _project_q(p: MLAParams, cfg: ModelConfig, prec: Precision, x: jax.Array) -> jax.Array:
+    """x [M, D] -> q [M, H, qk_head_dim] (act dtype)."""
+    if cfg.q_lora_rank is None:
+        q = _lin(x, p.q, prec)
+    else:
+        qa = rms_norm(_lin(x, p.q_a, prec), p.q_a_norm, LORA_NORM_EPS).astype(prec.act_dtype)
+        q = _lin(qa, p.q_b, prec)
+    return q.reshape(x.shape[0], cfg.num_attention_heads, cfg.qk_head_dim)
+
+
+def _project_kv(p: MLAParams, cfg: ModelConfig, prec: Precision, x: jax.Array, pos: jax.Array):
+    """x [M, D] at positions pos [M] -> (latent [M, R] normed, k_rope [M, dr] roped)."""
+    kv = _lin(x, p.kv_a, prec)
+    latent = rms_norm(kv[..., : cfg.kv_lora_rank], p.kv_a_norm, LORA_NORM_EPS)
+    cos, sin = rope_cos_sin(cfg, pos[None])  # [1, M, dr/2]
+    k_rope = apply_rope(kv[None, :, cfg.kv_lora_rank :].astype(jnp.float32), cos, sin)[0]
+    return latent, k_rope
+
+
+def _rope_q(cfg: ModelConfig, q: jax.Array, pos: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """q [M, H, qk] at positions pos [M] -> (q_nope [M, H, dn], q_rope [M, H, dr] roped, f32)."""
+    dn = cfg.qk_nope_head_dim
+    cos, sin = rope_cos_sin(cfg, pos[None])
+    q_rope = apply_rope(q[None, :, :, dn:].astype(jnp.float32), cos, sin)[0]
+    return q[..., :dn], q_rope
+
+
+def _dot(spec: str, a, b, prec: Precision):
+    dt = prec.dot_dtype
+    return jnp.einsum(
+        spec,
+        a.astype(dt),
+        b.astype(dt),
+        preferred_element_type=jnp.float32,
+        precision=prec.matmul_precision,
+    )
+
+
+def q_absorb(p: MLAParams, cfg: ModelConfig, prec: Precision, q_nope: jax.Array) -> jax.Array:
+    """q_nope [M, H, dn] -> q_lat [M, H, R] f32 (W_uk^T q_nope per head)."""
+    h, dn, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+    if isinstance(p.w_uk, Fp8Tensor) and prec.fp8_head_matmul is not None:
+        return prec.fp8_head_matmul(q_nope, p.w_uk)  # w_uk stored [H, R, dn] (blocks transposed)
+    if p.w_uk is not None and not isinstance(p.w_uk, Fp8Tensor):
+        w_uk = p.w_uk  # [H, dn, R]
+    else:
+        w_uk = dense_weight(p.kv_b, prec.dot_dtype).reshape(h, dn + cfg.v_head_dim, r)[:, :dn]
+    return _dot("mhd,hdr->mhr", q_nope, w_uk, prec)
+
+
+def o_unabsorb(p: MLAParams, cfg: ModelConfig, prec: Precision, o_lat: jax.Array) -> jax.Array:
+    """o_lat [M, H, R] -> o [M, H, dv] f32 (W_uv o_lat per head)."""
+    h, dn, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+    if isinstance(p.w_uv, Fp8Tensor) and prec.fp8_head_matmul is not None:
+        return prec.fp8_head_matmul(o_lat, p.w_uv)  # [H, dv, R]
+    if p.w_uv is not None and not isinstance(p.w_uv, Fp8Tensor):
+        w_uv = p.w_uv  # [H, dv, R]
+    else:
+        w_uv = dense_weight(p.kv_b, prec.dot_dtype).reshape(h, dn + cfg.v_head_dim, r)[:, dn:]
+    return _dot("mhr,hdr->mhd", o_lat, w_uv, prec)
+
+
+def _write_rows(cache: jax.Array, rows: jax.Array, pos: jax.Array, new: jax.Array) -> jax.Array:
+    """cache [N, S, X] with new [B, X] written at (rows[b], pos[b])."""
+    return cache.at[rows, pos].set(new.astype(cache.dtype), mode="promise_in_bounds")
+
+
+def _write_span(cache: jax.Array, row: jax.Array, start: jax.Array, new: jax.Array) -> jax.Array:
+    """cache [N, S, X] with new [T, X] written at row, positions start..start+T-1."""
+    return lax.dynamic_update_slice(cache, new[None].astype(cache.dtype), (row, start, 0))
+
+
+def _flash(
+    cfg: ModelConfig,
+    prec: Precision,
+    q_score: jax.Array,
+    q_rope: jax.Array,
+    qpos: jax.Array,
+    keys_of,
+    n_kb: jax.Array,
+    kb_size: int,
+    out_dim: int,
+) -> jax.Array:
+    """Online-softmax attention of one query block over key blocks 0..n_kb-1.
+    q_score [Bq, H, E] and q_rope [Bq, H, dr] (f32); keys_of(kb) -> (k [Bk, H or 1, E],
+    rope [Bk, dr], v [Bk, H or 1, out_dim]) -> out [Bq, H, out_dim] f32 (normalised)."""
+    bq, h = q_score.shape[:2]
+    scale = cfg.softmax_scale
+
+    def body(kb, carry):
+        m, l_sum, acc = carry
+        k, rope, v = keys_of(kb)
+        s = (
+            _dot("qhe,khe->qhk", q_score, k, prec)
+            if k.shape[1] == h
+            else _dot("qhe,ke->qhk", q_score, k[:, 0], prec)
+        )
+        s = (s + _dot("qhd,kd->qhk", q_rope, rope, prec)) * scale
+        kpos = kb * kb_size + jnp.arange(kb_size)
+        s = jnp.where((kpos[None, :] <= qpos[:, None])[:, None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(-1))
+        pr = jnp.exp(s - m_new[..., None])
+        corr = jnp.exp(m - m_new)
+        l_sum = l_sum * corr + pr.sum(-1)
+        pv = _dot("qhk,khd->qhd", pr, v, prec) if v.shape[1] == h else _dot("qhk,kd->qhd", pr, v[:, 0], prec)
+        return m_new, l_sum, acc * corr[..., None] + pv
+
+    init = (
+        jnp.full((bq, h), -jnp.inf, jnp.float32),
+        jnp.zeros((bq, h), jnp.float32),
+        jnp.zeros((bq, h, out_dim), jnp.float32),
+    )
+    _, l_sum, acc = lax.fori_loop(0, n_kb, body, init)
+    return acc / l_sum[..., None]
+
+
+def prefill_attention(
+    p: MLAParams,
+    cfg: ModelConfig,
+    x: jax.Array,
+    cache_lat: jax.Array,
+    cache_rope: jax.Array,
+    row: jax.Array,
+    start: jax.Array,
+    *,
+    prec: Precision = F32,
+    form: str = "auto",
+    q_block: int = 1024,
+    k_block: int = 512,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [T, D] (input-normed) of one sequence at positions start.. in cache row `row`;
+    cache_lat [N, S, R], cache_rope [N, S, dr] -> (out [T, D] act dtype, caches)."""
+    t, d = x.shape
+    s_len = cache_lat.shape[1]
+    h, dn, dv, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    form = resolve_form(form, t)
+    bq = min(q_block, t)
+    bk = key_block(k_block, s_len)
+    row, start = jnp.asarray(row, jnp.int32), jnp.asarray(start, jnp.int32)
+    x = x.astype(prec.act_dtype)
+
+    latent, k_rope = _project_kv(p, cfg, prec, x, start + jnp.arange(t, dtype=jnp.int32))
+    cache_lat = _write_span(cache_lat, row, start, latent)
+    cache_rope = _write_span(cache_rope, row, start, k_rope)
+
+    def key_slices(kb):
+        lat = lax.dynamic_slice(cache_lat, (row, kb * bk, 0), (1, bk, r))[0]
+        rope = lax.dynamic_slice(cache_rope, (row, kb * bk, 0), (1, bk, cfg.qk_rope_head_dim))[0]
+        return lat, rope
+
+    def expanded_keys(kb):
+        lat, rope = key_slices(kb)
+        kv = _lin(lat, p.kv_b, prec).reshape(bk, h, dn + dv)
+        return kv[..., :dn], rope, kv[..., dn:]
+
+    def absorbed_keys(kb):
+        lat, rope = key_slices(kb)
+        return lat[:, None], rope, lat[:, None]
+
+    n_qb = -(-t // bq)
+    xs = jnp.pad(x, ((0, n_qb * bq - t), (0, 0))).reshape(n_qb, bq, d)
+
+    def q_block_out(args):
+        qi, xb = args
+        qpos = start + qi * bq + jnp.arange(bq, dtype=jnp.int32)
+        q_nope, q_rope = _rope_q(cfg, _project_q(p, cfg, prec, xb), qpos)
+        # key blocks up to this query block's last position (clipped to the cache)
+        n_kb = jnp.minimum((start + (qi + 1) * bq - 1) // bk + 1, s_len // bk)
+        if form == "expanded":
+            o = _flash(cfg, prec, q_nope, q_rope, qpos, expanded_keys, n_kb, bk, dv)
+        else:
+            q_lat = q_absorb(p, cfg, prec, q_nope)
+            o = o_unabsorb(p, cfg, prec, _flash(cfg, prec, q_lat, q_rope, qpos, absorbed_keys, n_kb, bk, r))
+        return _lin(o.astype(prec.act_dtype).reshape(bq, h * dv), p.o, prec)
+
+    out = lax.map(q_block_out, (jnp.arange(n_qb, dtype=jnp.int32), xs)).reshape(n_qb * bq, d)[:t]
+    return out.astype(prec.act_dtype), cache_lat, cache_rope
+
+
+def decode_attention(
+    p: MLAParams,
+    cfg: ModelConfig,
+    x: jax.Array,
+    cache_lat: jax.Array,
+    cache_rope: jax.Array,
+    rows: jax.Array,
+    pos: jax.Array,
+    kv_len: int,
+    *,
+    prec: Precision = F32,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One new token per row: x [B, D] (input-normed) of rows `rows` [B] at positions
+    pos [B]; attends to slots 0..pos[b] of its row, read from the first kv_len (static,
+    >= max(pos) + 1) slots -> (out [B, D] act dtype, caches)."""
+    b = x.shape[0]
+    h, dv = cfg.num_attention_heads, cfg.v_head_dim
+    rows, pos = jnp.asarray(rows, jnp.int32), jnp.asarray(pos, jnp.int32)
+    x = x.astype(prec.act_dtype)
+    latent, k_rope = _project_kv(p, cfg, prec, x, pos)
+    cache_lat = _write_rows(cache_lat, rows, pos, latent)
+    cache_rope = _write_rows(cache_rope, rows, pos, k_rope)
+    q_nope, q_rope = _rope_q(cfg, _project_q(p, cfg, prec, x), pos)
+    q_lat = q_absorb(p, cfg, prec, q_nope)  # [B, H, R]
+    lat = cache_lat[rows, :kv_len]  # [B, L, R]: the rows' valid prefix (bucketed)
+    rope = cache_rope[rows, :kv_len]
+    s = _dot("bhr,blr->bhl", q_lat, lat, prec) + _dot("bhd,bld->bhl", q_rope, rope, prec)
+    s = s * cfg.softmax_scale
+    s = jnp.where((jnp.arange(kv_len)[None, :] <= pos[:, None])[:, None, :], s, -jnp.inf)
+    probs = jax.nn.softmax(s, axis=-1)
+    o_lat = _dot("bhl,blr->bhr", probs, lat, prec)
+    o = o_unabsorb(p, cfg, prec, o_lat)  # [B, H, dv]
+    out = _lin(o.astype(prec.act_dtype).reshape(b, h * dv), p.o, prec)
+    return out.astype(prec.act_dtype), cache_lat, cache_rope

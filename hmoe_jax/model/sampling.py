@@ -1,0 +1,108 @@
+"""Per-request sampling for a batch of rows: greedy, temperature, top-k, top-p, seed.
+
+Each row has its own parameters. A row's random key is fold_in(key(seed), step), where
+step counts the tokens that request has sampled, so a request draws the same tokens
+whatever else is in its batch and whenever it was admitted. temperature == 0 is greedy:
+the argmax of the f32 logits, bit-stable. Filtering order (as vLLM and HF apply it):
+temperature, then top-k (keep the k largest; 0 = off), then top-p (keep the smallest set
+of the remaining tokens, in descending order, whose probability reaches top_p; the top
+token always stays), then one categorical draw.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    max_new_tokens: int = 16
+    stop_ids: tuple[int, ...] | None = None  # None: the model's eos ids
+
+    def validate(self) -> SamplingParams:
+        if not (self.temperature >= 0 and np.isfinite(self.temperature)):
+            raise ValueError(f"sampling: temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling: top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"sampling: top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"sampling: max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"sampling: seed must be in [0, 2^32), got {self.seed}")
+        return self
+
+
+def _filter_row(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: jax.Array) -> jax.Array:
+    """[V] f32 -> [V] f32 logits with filtered tokens at -inf (temperature applied)."""
+    v = logits.shape[-1]
+    z = logits / jnp.maximum(temperature, 1e-6)
+    order = jnp.argsort(-z)  # descending; ties keep the lower id first (stable)
+    zs = z[order]
+    rank = jnp.arange(v)
+    keep = rank < jnp.where(top_k > 0, top_k, v)
+    zs = jnp.where(keep, zs, -jnp.inf)
+    probs = jax.nn.softmax(zs)
+    keep = keep & ((jnp.cumsum(probs) - probs) < top_p)
+    return jnp.full((v,), -jnp.inf, jnp.float32).at[order].set(jnp.where(keep, zs, -jnp.inf))
+
+
+@jax.jit
+def sample_rows(
+    logits: jax.Array,
+    temperature: jax.Array,
+    top_p: jax.Array,
+    top_k: jax.Array,
+    seed: jax.Array,
+    step: jax.Array,
+) -> jax.Array:
+    """logits [B, V] f32; per row temperature, top_p [B] f32, top_k, step [B] int32, seed [B]
+    uint32 -> token ids [B] int32."""
+    logits = logits.astype(jnp.float32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def draw(lg, t, p, k, s, n):
+        key = jax.random.fold_in(jax.random.key(s), n)
+        return jax.random.categorical(key, _filter_row(lg, t, p, k)).astype(jnp.int32)
+
+    drawn = jax.vmap(draw)(logits, temperature, top_p, top_k, seed, step)
+    return jnp.where(temperature > 0, drawn, greedy)
+
+
+def sample_batch(logits: jax.Array, params: Sequence[SamplingParams], steps: Sequence[int]) -> np.ndarray:
+    """Host wrapper: one SamplingParams and step count per row -> ids [B] (numpy)."""
+    if all(p.temperature == 0 for p in params):  # the common greedy batch: no sort, no draw
+        return np.asarray(jnp.argmax(logits.astype(jnp.float32), axis=-1), np.int32)
+    return np.asarray(
+        sample_rows(
+            logits,
+            np.array([p.temperature for p in params], np.float32),
+            np.array([p.top_p for p in params], np.float32),
+            np.array([p.top_k for p in params], np.int32),
+            np.array([p.seed for p in params], np.uint32),
+            np.array(list(steps), np.int32),
+        )
+    )
+
+
+def filtered_probs_ref(logits: np.ndarray, temperature: float, top_p: float, top_k: int) -> np.ndarray:
+    """Reference in numpy (f64): the distribution sample_rows draws one row from."""
+    z = np.asarray(logits, np.float64) / temperature
+    order = np.argsort(-z, kind="stable")
+    zs = z[order]
+    keep = np.arange(z.size) < (top_k if top_k > 0 else z.size)
+    p = np.where(keep, np.exp(zs - zs[keep].max()), 0.0)
+    p /= p.sum()
+    keep &= (np.cumsum(p) - p) < top_p
+    out = np.zeros_like(z)
+    out[order] = np.where(keep, p, 0.0)
+    return out / out.sum()

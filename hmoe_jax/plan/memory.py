@@ -1,0 +1,490 @@
+"""Accelerator memory of a plan: what stays resident, the staging ring's device side, the
+latent cache and the peak temporaries, against the system's accelerator memory. Plain
+arithmetic from the config (no jax): schedules refuse a plan whose budget does not fit,
+`hmoe plan` prints it, and the engine's CLI sizes JAX's GPU memory fraction from it.
+
+- resident_bytes: the non-expert weights as the engine places them on the first
+  accelerator (runtime/state.py): FP8 matrices + f32 block scales, norms / router / bias
+  counted f32, embeddings and lm_head bf16 as DeepSeek releases them (f32 models: 4 bytes
+  everywhere), plus the absorbed-attention copies a bf16 policy derives from kv_b
+  (w_uk [H, dn, R] + w_uv [H, dv, R] in bf16 per layer).
+- ring_bytes: slp's device-side ring, ring_slots x plan.costs.slot_bytes (the GPU
+  "inplace" device ring preallocates every slot); dslp: what a rank holds streamed at
+  once (see dslp_budget).
+- cache_bytes: the KV pool, rows x cache_len(max_len) x layers x cache_dim x cache dtype.
+- temp_bytes: the largest stage of one layer: the activations alive between pieces at
+  that stage (h, x, the shared output, the f32 routed accumulator, routing) plus the
+  running piece's own XLA temporaries. Piece temporaries are estimated here from the
+  shapes the pieces build (runtime/pieces.py, model/attention.py) or measured by the
+  caller (runtime/compile_probe.py: memory_analysis() of the compiled piece) and passed in
+  as `piece_temps`, which then replace the estimates piece by piece.
+
+usable = acc_mem_bytes - RESERVE_BYTES; fits = resident + ring + cache + temp <= usable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+from hmoe_jax.config import ModelConfig
+from hmoe_jax.plan import costs
+from hmoe_jax.plan.buckets import cache_len
+from hmoe_jax.plan.system import SystemSpec
+from hmoe_jax.plan.tensors import expected_tensors
+
+GIB = 2**30
+# Not available to XLA's buffers: the CUDA context, cuBLAS/cuDNN workspaces and allocator
+# fragmentation (an allowance, not a measurement).
+RESERVE_BYTES = 1 * GIB
+SLP_PIECES = ("attention", "dense_ffn", "route", "shared", "experts_group", "combine", "final")
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryBudget:
+    """One accelerator's memory under a plan (dslp: the rank that needs the most)."""
+
+    schedule: str
+    tokens: int
+    acc_mem_bytes: int
+    resident_bytes: int
+    ring_bytes: int
+    cache_bytes: int
+    temp_bytes: int
+    temp_measured: bool  # every piece temporary came from a compiled piece
+    temp_stage: str  # the stage that sets temp_bytes
+    ring_slots: int = 0
+    slot_bytes: int = 0
+    kv_rows: int = 1
+    max_len: int = 0
+    rank: int = 0
+    ranks: int = 1
+    min_ring_slots: int = 0
+    reserve_bytes: int = RESERVE_BYTES
+    detail: str = ""  # what the ring / streamed bytes are made of
+
+    @property
+    def usable_bytes(self) -> int:
+        return self.acc_mem_bytes - self.reserve_bytes
+
+    @property
+    def acc_peak_bytes(self) -> int:
+        return self.resident_bytes + self.ring_bytes + self.cache_bytes + self.temp_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.ring_slots >= self.min_ring_slots and self.acc_peak_bytes <= self.usable_bytes
+
+    @property
+    def message(self) -> str:
+        where = f" on rank {self.rank} of {self.ranks}" if self.ranks > 1 else ""
+        kind = "measured" if self.temp_measured else "estimated"
+        parts = (
+            f"resident {_g(self.resident_bytes)} + ring {_g(self.ring_bytes)}"
+            + (f" ({self.detail})" if self.detail else "")
+            + f" + cache {_g(self.cache_bytes)} ({self.kv_rows} x {self.max_len}-token rows)"
+            + f" + temporaries {_g(self.temp_bytes)} ({self.temp_stage}, {kind})"
+        )
+        limit = (
+            f"{_g(self.usable_bytes)} usable ({_g(self.acc_mem_bytes)} - {_g(self.reserve_bytes)} reserve)"
+        )
+        head = f"{self.schedule} at {self.tokens} tokens{where}"
+        if self.ring_slots < self.min_ring_slots:
+            fixed = self.resident_bytes + self.cache_bytes + self.temp_bytes
+            left = self.usable_bytes - fixed
+            if left < 0:
+                return f"{head} does not fit: {_g(fixed)} before any ring slot = {parts} > {limit}"
+            return (
+                f"{head} does not fit: {self.ring_slots} ring slots of {_g(self.slot_bytes)} fit in the "
+                f"{_g(left)} left of {limit} after {parts}; it needs >= {self.min_ring_slots}"
+            )
+        peak = f"peak {_g(self.acc_peak_bytes)} = {parts}"
+        if not self.fits:
+            return f"{head} does not fit: {peak} > {limit}"
+        return f"{head} fits: {peak} <= {limit}"
+
+    def meta(self) -> dict[str, Any]:
+        """The numbers a plan's meta carries (plans are data; traces keep their meta)."""
+        keys = ("resident_bytes", "ring_bytes", "cache_bytes", "temp_bytes", "temp_measured", "temp_stage")
+        return {"acc_peak_bytes": self.acc_peak_bytes, **{k: getattr(self, k) for k in keys}}
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.update(
+            acc_peak_bytes=self.acc_peak_bytes,
+            usable_bytes=self.usable_bytes,
+            fits=self.fits,
+            message=self.message,
+        )
+        return d
+
+
+def _g(n: int) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+# ------------------------------------------------------------------ weights and cache
+
+
+def _placed_bytes(cfg: ModelConfig, name: str, shape: tuple[int, ...], quantized: bool) -> int:
+    if quantized and cfg.quant is not None:
+        return costs._w_bytes(cfg, *shape)
+    n = 1
+    for s in shape:
+        n *= int(s)
+    table = name in ("model.embed_tokens.weight", "lm_head.weight")
+    return n * (2 if table and cfg.quant is not None else 4)
+
+
+def absorbed_bytes(cfg: ModelConfig, precision: str = "bf16") -> int:
+    """Per layer: the bf16 w_uk [H, dn, R] + w_uv [H, dv, R] a non-f32 policy keeps."""
+    if precision == "f32":
+        return 0
+    return 2 * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) * cfg.kv_lora_rank
+
+
+@functools.lru_cache(maxsize=16)
+def resident_bytes(cfg: ModelConfig, precision: str = "bf16") -> int:
+    """Every non-expert weight as placed on the accelerator, plus the absorbed copies."""
+    rest = sum(
+        _placed_bytes(cfg, s.name, s.shape, s.quantized)
+        for s in expected_tensors(cfg)
+        if ".mlp.experts." not in s.name
+    )
+    return rest + cfg.num_hidden_layers * absorbed_bytes(cfg, precision)
+
+
+def cache_bytes(cfg: ModelConfig, rows: int, max_len: int, dtype_bytes: int = 2) -> int:
+    """The KV pool (runtime/kvpool.py): rows x cache_len(max_len) slots per layer."""
+    return cfg.num_hidden_layers * rows * cache_len(max_len) * cfg.cache_dim * dtype_bytes
+
+
+# ------------------------------------------------------------------ piece temporaries
+
+
+def _dequant_bytes(cfg: ModelConfig, n: int, k: int, wb: int) -> int:
+    """A weight's copy dequantised for a dot (FP8 models only; f32 weights feed it as stored)."""
+    return n * k * wb if cfg.quant is not None else 0
+
+
+def attention_temp(
+    cfg: ModelConfig,
+    tokens: int,
+    *,
+    cache_slots: int,
+    rows: int = 1,
+    act: int = 2,
+    form: str = "auto",
+    q_block: int = 1024,
+    k_block: int = 512,
+) -> int:
+    """Estimated temporaries of pieces.attention (model/attention.py). Prefill: the padded
+    input and the stacked block outputs [T, D], kv_a's output and the new latents [T, 576]
+    in f32, one (query block, key block) pair's working set (two f32 score blocks
+    [bq, H, bk], the f32 accumulator carried twice, the block's q, the expanded keys of one
+    key block) and the bf16 dequantised attention weights. Decode: two f32 score rows
+    [B, H, kv] and the gathered cache rows."""
+    d, h, r, cd = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.cache_dim
+    qk, dn, dv = cfg.qk_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
+    wb = 2 if act == 2 else 4
+    w = _dequant_bytes(cfg, cd, d, wb) + _dequant_bytes(cfg, h * (dn + dv), r, wb)
+    w += _dequant_bytes(cfg, d, h * dv, wb)
+    if cfg.q_lora_rank is None:
+        w += _dequant_bytes(cfg, h * qk, d, wb)
+    else:
+        w += _dequant_bytes(cfg, cfg.q_lora_rank, d, wb) + _dequant_bytes(cfg, h * qk, cfg.q_lora_rank, wb)
+    if tokens == 1:
+        slots = costs.decode_kv_len(cache_slots, cache_slots)
+        return w + rows * (2 * h * slots * 4 + slots * cd * act + h * (r + qk) * 4 * 3)
+    form = costs.attn_form(form, tokens)
+    bq, bk = min(q_block, tokens), costs.key_block(k_block, cache_slots)
+    t_pad = -(-tokens // bq) * bq
+    per_token = 2 * t_pad * d * act + 2 * tokens * cd * 4
+    width = dv if form == "expanded" else r
+    block = 2 * bq * h * bk * 4 + 2 * bq * h * width * 4 + bq * h * qk * (4 + act) + bq * h * qk * 4
+    block += bk * h * (dn + dv) * (4 + act) if form == "expanded" else bq * h * r * 4
+    return w + per_token + block
+
+
+def ffn_temp(cfg: ModelConfig, tokens: int, inter: int, act: int = 2) -> int:
+    """A SwiGLU on [T, D] (dense FFN, shared expert): gate and up outputs f32 [T, I], their
+    product in the act dtype, the down output (XLA fuses its f32 -> act cast), the
+    dequantised weights."""
+    d, wb = cfg.hidden_size, (2 if act == 2 else 4)
+    return tokens * inter * (8 + act) + tokens * d * act + 3 * _dequant_bytes(cfg, inter, d, wb)
+
+
+def experts_group_temp(cfg: ModelConfig, tokens: int, experts_per_slot: int = 1, act: int = 2) -> int:
+    """pieces.experts_group at its worst-case bucket (a slot of G experts gets at most
+    min(G, k) T rows): gathered rows [rows, D], gate / up f32 [rows, I], the product, the f32
+    output rows [rows, D], the slot's dequantised weights."""
+    d, i, wb = cfg.hidden_size, cfg.moe_intermediate_size, (2 if act == 2 else 4)
+    n = min(experts_per_slot, cfg.num_experts_per_tok) * tokens
+    rows = max(16, 1 << (max(n, 1) - 1).bit_length())  # pieces.row_bucket
+    return rows * (d * act + i * (8 + act) + d * 4) + 3 * experts_per_slot * _dequant_bytes(cfg, i, d, wb)
+
+
+def slp_piece_temps(
+    cfg: ModelConfig,
+    tokens: int,
+    *,
+    cache_slots: int,
+    experts_per_slot: int = 1,
+    act: int = 2,
+    attn: dict[str, Any] | None = None,
+) -> dict[str, int]:
+    """Estimated temporaries of every accelerator piece of a prefill chunk of `tokens`."""
+    d, e = cfg.hidden_size, cfg.n_routed_experts
+    return {
+        "attention": attention_temp(cfg, tokens, cache_slots=cache_slots, act=act, **(attn or {})),
+        "dense_ffn": ffn_temp(cfg, tokens, cfg.intermediate_size, act),
+        "route": tokens * d * 4 + 3 * tokens * e * 4,
+        "shared": ffn_temp(cfg, tokens, cfg.moe_intermediate_size * max(cfg.n_shared_experts, 1), act),
+        "experts_group": experts_group_temp(cfg, tokens, experts_per_slot, act),
+        "combine": tokens * d * 4,
+        "final": cfg.vocab_size * 4,
+    }
+
+
+def slp_stages(cfg: ModelConfig, tokens: int, act: int = 2) -> dict[str, tuple[str, int]]:
+    """stage -> (its piece, the activations alive outside that piece while it runs), for
+    one sequence of `tokens` tokens through an slp layer (or a cpu chunk on the accelerator)."""
+    d, k = cfg.hidden_size, cfg.num_experts_per_tok
+    hid = tokens * d * act  # h, x, the shared output: [T, D] act dtype
+    routing = tokens * k * 8  # ids int32 + weights f32 [T, k]
+    acc = tokens * d * 4  # the f32 routed accumulator
+    stages = {"attention": ("attention", 2 * hid), "final": ("final", hid + cfg.vocab_size * 4)}
+    if any(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
+        stages["dense_ffn"] = ("dense_ffn", 2 * hid)
+    if any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
+        shared = hid if cfg.n_shared_experts else 0
+        stages["route"] = ("route", 2 * hid + routing)
+        if cfg.n_shared_experts:
+            stages["shared"] = ("shared", 3 * hid + routing)
+        stages["experts_group"] = ("experts_group", 2 * hid + shared + 2 * routing + acc)
+        stages["combine"] = ("combine", 2 * hid + shared + acc)
+    return stages
+
+
+def peak_temp(
+    stages: dict[str, tuple[str, int]], estimates: dict[str, int], measured: dict[str, int] | None
+) -> tuple[int, str, bool]:
+    """(largest stage's live activations + piece temporaries, that stage, all measured?)."""
+    measured = dict(measured or {})
+    best, name = -1, ""
+    for stage, (piece, live) in stages.items():
+        total = live + measured.get(piece, estimates[piece])
+        if total > best:
+            best, name = total, stage
+    return best, name, all(p in measured for p, _ in stages.values())
+
+
+# ------------------------------------------------------------------ budgets per schedule
+
+
+def _pool(tokens: int, start_pos: int, kv_rows: int | None, max_len: int | None) -> tuple[int, int]:
+    rows = 1 if kv_rows is None else int(kv_rows)
+    length = cache_len(max_len if max_len is not None else start_pos + tokens)
+    if rows < 1 or length < start_pos + tokens:
+        raise ValueError(
+            f"memory: kv_rows={rows} must be >= 1 and max_len={length} >= start_pos + tokens = {start_pos + tokens}"
+        )
+    return rows, length
+
+
+def slp_budget(
+    cfg: ModelConfig,
+    system: SystemSpec,
+    tokens: int,
+    *,
+    groups_per_layer: int,
+    experts_per_slot: int,
+    transfer_bound: bool,
+    start_pos: int = 0,
+    kv_rows: int | None = None,
+    max_len: int | None = None,
+    ring_slots: int | None = None,
+    precision: str = "bf16",
+    piece_temps: dict[str, int] | None = None,
+    attn: dict[str, Any] | None = None,
+) -> MemoryBudget:
+    """slp's budget and ring size. The ring gets the memory left after resident weights,
+    cache and temporaries: transfer-bound, as many slots as fit up to one layer of groups
+    (the loader never waits on compute); compute-bound, 2 (ping-pong is all the overlap
+    needed). Fewer than 2 slots (1 if a layer is one group) do not fit. ring_slots forces a
+    size (then it must fit as it is)."""
+    rows, length = _pool(tokens, start_pos, kv_rows, max_len)
+    act = 2 if precision != "f32" else 4
+    est = slp_piece_temps(
+        cfg, tokens, cache_slots=length, experts_per_slot=experts_per_slot, act=act, attn=attn
+    )
+    temp, stage, measured = peak_temp(slp_stages(cfg, tokens, act), est, piece_temps)
+    resident = resident_bytes(cfg, precision)
+    cache = cache_bytes(cfg, rows, length, act)
+    slot = costs.slot_bytes(cfg, experts_per_slot)
+    left = system.acc_mem_bytes - RESERVE_BYTES - resident - cache - temp
+    want = groups_per_layer if transfer_bound else min(2, groups_per_layer)
+    need = min(2, groups_per_layer)
+    if ring_slots is not None:
+        slots, need = int(ring_slots), int(ring_slots)
+    else:
+        slots = max(0, min(want, left // slot))
+    return MemoryBudget(
+        schedule="slp",
+        tokens=tokens,
+        acc_mem_bytes=system.acc_mem_bytes,
+        resident_bytes=resident,
+        ring_bytes=slots * slot,
+        cache_bytes=cache,
+        temp_bytes=temp,
+        temp_measured=measured,
+        temp_stage=stage,
+        ring_slots=slots,
+        slot_bytes=slot,
+        kv_rows=rows,
+        max_len=length,
+        min_ring_slots=need,
+        detail=f"{slots} x {slot / 2**20:.1f} MiB slots",
+    )
+
+
+def cpu_budget(
+    cfg: ModelConfig,
+    system: SystemSpec,
+    tokens: int,
+    *,
+    chunk_tokens: int,
+    batch: int = 1,
+    start_pos: int = 0,
+    kv_rows: int | None = None,
+    max_len: int | None = None,
+    precision: str = "bf16",
+    piece_temps: dict[str, int] | None = None,
+    attn: dict[str, Any] | None = None,
+) -> MemoryBudget:
+    """cpu: resident weights + cache + one chunk's temporaries (the routed experts run on
+    the host; nothing is streamed). Decode steps: `batch` rows of one token."""
+    rows, length = _pool(tokens, start_pos, kv_rows if kv_rows is not None else batch, max_len)
+    act = 2 if precision != "f32" else 4
+    n = batch if tokens == 1 else min(chunk_tokens, tokens)
+    est = slp_piece_temps(cfg, n, cache_slots=length, act=act, attn=attn)
+    if tokens == 1:
+        est["attention"] = attention_temp(cfg, 1, cache_slots=length, rows=batch, act=act)
+    stages = {k: v for k, v in slp_stages(cfg, n, act).items() if k != "experts_group"}
+    temp, stage, measured = peak_temp(stages, est, piece_temps)
+    return MemoryBudget(
+        schedule="cpu",
+        tokens=tokens,
+        acc_mem_bytes=system.acc_mem_bytes,
+        resident_bytes=resident_bytes(cfg, precision),
+        ring_bytes=0,
+        cache_bytes=cache_bytes(cfg, rows, length, act),
+        temp_bytes=temp,
+        temp_measured=measured,
+        temp_stage=stage,
+        kv_rows=rows,
+        max_len=length,
+    )
+
+
+def dslp_rank_temps(cfg: ModelConfig, padded_tokens: int, ranks: int) -> dict[str, int]:
+    """Estimated per-rank temporaries of the dslp stages as parallel/ computes them (f32
+    throughout). attention (parallel/attention.py): a rank's 2C tokens (C = T_pad / 2N)
+    projected in f32, the all-gathered latent cache [T_pad, 576] (gathered, permuted, and
+    returned), q_lat [2C, H, R], and per query chunk the DENSE chunk scores: two f32
+    [H, C, C] blocks (s and its exp) plus the [C, H, R] accumulator carried twice.
+    moe (SmallEP, parallel/moe.py grouped_experts_fn(8)): the all-gathered [T_pad, D],
+    routing of every token, and per chunk of 8 experts all T_pad k assignments gathered
+    [P, D], gate / up / product [P, I], output [P, D] (f32), the chunk's f32 weights.
+    dense: a SwiGLU on [2C, D] in f32 with f32 weights. final: lm_head dequantised to f32."""
+    d, h, r, cd = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.cache_dim
+    qk, dn, dv, i = cfg.qk_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.moe_intermediate_size
+    c = padded_tokens // (2 * ranks)
+    local = 2 * c
+    w_attn = 4 * (h * (dn + dv) * r + d * h * dv + cd * d)
+    w_attn += 4 * (d * h * qk if cfg.q_lora_rank is None else cfg.q_lora_rank * (d + h * qk))
+    attn = w_attn + local * (2 * d + h * qk + cd) * 4 + 3 * padded_tokens * cd * 4
+    attn += 2 * local * h * r * 4 + 2 * h * c * c * 4 + 2 * c * h * r * 4 + local * h * dv * 4
+    p = padded_tokens * cfg.num_experts_per_tok
+    moe = padded_tokens * d * 4 * 3 + 3 * padded_tokens * cfg.n_routed_experts * 4
+    moe += p * (2 * d + 3 * i) * 4 + 8 * 3 * i * d * 4
+    moe += ffn_temp(cfg, local, cfg.moe_intermediate_size * max(cfg.n_shared_experts, 1), 4)
+    dense = ffn_temp(cfg, local, cfg.intermediate_size, 4)
+    return {"attention": attn, "moe": moe, "dense_ffn": dense, "final": cfg.vocab_size * d * 4}
+
+
+def dslp_budget(
+    cfg: ModelConfig,
+    system: SystemSpec,
+    tokens: int,
+    *,
+    ranks: int,
+    padded_tokens: int,
+    kv_rows: int | None = None,
+    max_len: int | None = None,
+    precision: str = "bf16",
+    piece_temps: dict[str, int] | None = None,
+    schedule: str = "dslp",
+) -> MemoryBudget:
+    """dslp per rank; returns the rank with the highest peak. During the layers every rank
+    holds what its loader has streamed and not yet consumed: the dense layers' non-expert
+    weights (their loads wait for nothing but the embed, so they all land at the start)
+    and two MoE layers in flight (the ring's two layers of per-rank slots: rank r's share of
+    E/N experts plus the layer's non-expert weights). The final stage streams the replicated
+    lm_head (nothing else is in flight then). Rank 0 is also the engine's decode
+    accelerator: the resident non-expert weights (placed once, whatever the schedule) and
+    the KV pool live there."""
+    rows, length = _pool(tokens, 0, kv_rows, max_len)
+    el = cfg.n_routed_experts // ranks
+    moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+    dense_layers = [i for i in range(cfg.num_hidden_layers) if not cfg.is_moe_layer(i)]
+    rest = costs.rest_bytes_by_layer(cfg)
+    per_layer = max(rest[i] for i in moe_layers) + el * costs.expert_bytes(cfg) if moe_layers else 0
+    table = cfg.vocab_size * cfg.hidden_size * (2 if cfg.quant is not None else 4)
+    streamed = sum(rest[i] for i in dense_layers) + min(2, len(moe_layers)) * per_layer
+    local = padded_tokens // ranks
+    est = dslp_rank_temps(cfg, padded_tokens, ranks)
+    hid = 2 * local * cfg.hidden_size * 4  # h in and out, f32
+    stages = {"attention": ("attention", hid), "moe": ("moe", hid)}
+    if dense_layers:
+        stages["dense_ffn"] = ("dense_ffn", hid)
+    temp, stage, measured = peak_temp(stages, est, piece_temps)
+    final = local * cfg.hidden_size * 4 + table + dict(piece_temps or {}).get("final", est["final"])
+    ring = streamed
+    if final > streamed + temp:
+        ring, temp, stage = 0, final, "final"
+    detail = f"in flight: {len(dense_layers)} dense layers + 2 MoE layers of {el} experts" if ring else ""
+    budgets = [
+        MemoryBudget(
+            schedule=schedule,
+            tokens=tokens,
+            acc_mem_bytes=system.acc_mem_bytes,
+            resident_bytes=resident_bytes(cfg, precision) if r == 0 else 0,
+            ring_bytes=ring,
+            cache_bytes=cache_bytes(cfg, rows, length) if r == 0 else 0,
+            temp_bytes=temp,
+            temp_measured=measured,
+            temp_stage=stage,
+            ring_slots=2 if moe_layers else 0,
+            slot_bytes=costs.slot_bytes(cfg, el),
+            kv_rows=rows,
+            max_len=length,
+            rank=r,
+            ranks=ranks,
+            detail=detail,
+        )
+        for r in range(ranks)
+    ]
+    return max(budgets, key=lambda b: b.acc_peak_bytes)
+
+
+def gpu_mem_fraction(budget: MemoryBudget, system: SystemSpec, headroom: float = 0.05) -> float:
+    """XLA_PYTHON_CLIENT_MEM_FRACTION for a plan: its peak plus `headroom` of the card,
+    rounded up to 0.01, at least JAX's default 0.75 and at most what the reserve leaves.
+    JAX reads it once, when its GPU backend initialises: set it in the environment before
+    the first jax call (hmoe generate does, from the plan of its --schedule)."""
+    need = math.ceil((budget.acc_peak_bytes / system.acc_mem_bytes + headroom) * 100) / 100
+    cap = math.floor((system.acc_mem_bytes - RESERVE_BYTES) / system.acc_mem_bytes * 100) / 100
+    return min(cap, max(0.75, need))
