@@ -9,7 +9,6 @@ rows when sequences finish or are cancelled, and says clearly when it is exhaust
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import numpy as np
@@ -22,6 +21,7 @@ from hmoe_jax.model.sampling import SamplingParams
 from hmoe_jax.plan.system import SystemSpec
 from hmoe_jax.runtime.synthetic import random_params
 from hmoe_jax.schedules.registry import schedule_class, schedule_names
+from tests.test_schedules_invariant import reference_engine
 
 SYSTEM = SystemSpec(
     auto_slp_min_tokens=8, auto_dslp_min_tokens=8, cpu_prefill_chunk_tokens=8, slp_experts_per_slot=4
@@ -44,16 +44,7 @@ def model():
 @functools.cache
 def engine(devices: int) -> Engine:
     cfg, params, *_ = model()
-    return Engine(
-        params,
-        cfg,
-        devices=devices,
-        system=dataclasses.replace(SYSTEM, num_accelerators=devices),
-        expert_fn="ref",
-        precision="f32",
-        max_batch=6,
-        max_len=64,
-    )
+    return reference_engine(params, cfg, devices, max_batch=6, max_len=64)
 
 
 def run_mixed(eng: Engine, schedule: str, prompts, requests):

@@ -36,6 +36,14 @@ SYSTEM = SystemSpec(
 ATOL = RTOL = 1e-4
 
 
+def reference_engine(params, cfg, devices: int, **options) -> Engine:
+    """An engine that must reproduce the reference rollout: the f32 policy, experts_ref on
+    the host (the FFI op rounds activations to bf16: its own tests cover it), the SYSTEM
+    thresholds that make a short prompt exercise every schedule."""
+    system = dataclasses.replace(SYSTEM, num_accelerators=devices)
+    return Engine(params, cfg, devices=devices, system=system, expert_fn="ref", precision="f32", **options)
+
+
 @functools.cache
 def model(dtype: str):
     cfg = named_model_config("deepseek_v3_tiny")
@@ -51,16 +59,7 @@ def model(dtype: str):
 @functools.cache
 def engine(dtype: str, devices: int) -> Engine:
     cfg, params, *_ = model(dtype)
-    # experts_ref on the host too: the FFI op rounds activations to bf16 (its own tests
-    # cover it), which is a different reference.
-    return Engine(
-        params,
-        cfg,
-        devices=devices,
-        system=dataclasses.replace(SYSTEM, num_accelerators=devices),
-        expert_fn="ref",
-        precision="f32",
-    )
+    return reference_engine(params, cfg, devices)
 
 
 CASES = [(s, d, n) for s in schedule_names() for d in ("f32", "fp8") for n in (1, 2, 4)]

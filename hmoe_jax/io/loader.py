@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -30,13 +29,13 @@ from hmoe_jax.io.names import TensorSpec, build_params, expected_tensors, is_unu
 from hmoe_jax.io.safetensors_io import DTYPES, SafetensorsFile, TensorInfo
 from hmoe_jax.model.params import ModelParams
 from hmoe_jax.quant.fp8 import Fp8Tensor, scale_grid_shape
+from hmoe_jax.quant.hostmem import ALIGN_BYTES, aligned_empty  # noqa: F401  (writer imports ALIGN_BYTES)
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 SCALE_SUFFIX = "_scale_inv"  # "X.weight" -> "X.weight_scale_inv"
 FLOAT_TAGS = ("F32", "BF16", "F16")
 FP8_TAG = "F8_E4M3"
-ALIGN_BYTES = 64
 
 
 @dataclasses.dataclass
@@ -168,15 +167,6 @@ def _check_dtype(cfg: ModelConfig, cat: Catalog, s: TensorSpec, info: TensorInfo
         )
     if sinfo.dtype != "F32":
         raise CheckpointError(f"{cat.origin(sname)}: {sname!r} has dtype {sinfo.dtype}, expected F32")
-
-
-def aligned_empty(shape: tuple[int, ...], dtype: Any, align: int = ALIGN_BYTES) -> np.ndarray:
-    """An uninitialised array whose data pointer is a multiple of `align` bytes."""
-    dtype = np.dtype(dtype)
-    nbytes = math.prod(shape) * dtype.itemsize
-    raw = np.empty(nbytes + align, np.uint8)
-    off = -raw.ctypes.data % align
-    return raw[off : off + nbytes].view(dtype).reshape(shape)
 
 
 class _Loader:

@@ -90,17 +90,11 @@ def _check_int4(w: Int4Tensor) -> None:
         raise TypeError(f"{op}: w.scale dtype must be bfloat16, got {jnp.dtype(w.scale.dtype)}")
 
 
-def fp8_matmul(x: Any, w: Fp8Tensor, *, max_isa: int = -1, num_threads: int = 0) -> jax.Array:
-    """y[..., n] = sum_k bf16(x)[..., k] * dequant(w)[n, k], f32. Jittable and vmappable
-    over x (weights must not be batched)."""
-    _check_fp8(w)
-    n, k = w.w.shape
-    _check_x("fp8_matmul", x, k)
+def _fp8_call(target: str, x: Any, w: Fp8Tensor, n: int, max_isa: int, num_threads: int) -> jax.Array:
+    """The FFI call shared by the FP8 ops: y [..., N] f32 from x [..., K] and w's codes + scales."""
     register_all()
     call = jax.ffi.ffi_call(
-        "hmoe_fp8_gemm",
-        jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.float32),
-        vmap_method="expand_dims",
+        target, jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.float32), vmap_method="expand_dims"
     )
     return call(
         x,
@@ -111,6 +105,15 @@ def fp8_matmul(x: Any, w: Fp8Tensor, *, max_isa: int = -1, num_threads: int = 0)
         block_n=np.int64(w.block_n),
         block_k=np.int64(w.block_k),
     )
+
+
+def fp8_matmul(x: Any, w: Fp8Tensor, *, max_isa: int = -1, num_threads: int = 0) -> jax.Array:
+    """y[..., n] = sum_k bf16(x)[..., k] * dequant(w)[n, k], f32. Jittable and vmappable
+    over x (weights must not be batched)."""
+    _check_fp8(w)
+    n, k = w.w.shape
+    _check_x("fp8_matmul", x, k)
+    return _fp8_call("hmoe_fp8_gemm", x, w, n, max_isa, num_threads)
 
 
 def int4_matmul(x: Any, w: Int4Tensor, *, max_isa: int = -1, num_threads: int = 0) -> jax.Array:
@@ -162,21 +165,7 @@ def fp8_head_matmul(x: Any, w: Fp8Tensor, *, max_isa: int = -1, num_threads: int
     _check_x(op, x, k)
     if x.ndim < 2 or x.shape[-2] != h:
         raise ValueError(f"{op}: x shape {tuple(x.shape)} must end in [H, K]=[{h}, {k}] (the weight's heads)")
-    register_all()
-    call = jax.ffi.ffi_call(
-        "hmoe_fp8_bmv",
-        jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.float32),
-        vmap_method="expand_dims",
-    )
-    return call(
-        x,
-        w.w,
-        w.scale_inv,
-        max_isa=np.int64(max_isa),
-        num_threads=np.int64(num_threads),
-        block_n=np.int64(w.block_n),
-        block_k=np.int64(w.block_k),
-    )
+    return _fp8_call("hmoe_fp8_bmv", x, w, n, max_isa, num_threads)
 
 
 def _bf16_round(x: Any) -> jax.Array:

@@ -165,9 +165,9 @@ def _shared(run: Run, op: Op) -> list:
 def _attn_route(run: Run, op: Op) -> list:
     t0, t1 = run.span(op)
     i = op.layer
-    fn = pieces.attn_route_shared if op.args.get("with_shared") else pieces.attn_route
     pos_args, kw = run.attn_args(t0, t1)
-    h, lat, rope, x, packed = fn(
+    kw["with_shared"] = bool(op.args.get("with_shared"))
+    h, lat, rope, x, packed = pieces.attn_route(
         run.weights.acc.layers[i],
         run.cfg,
         run.vals[("h", t0)],

@@ -112,7 +112,7 @@ def _packed(x, ids, w):
     return jnp.concatenate([x.astype(jnp.float32), ids.astype(jnp.float32), w], axis=-1)
 
 
-@functools.partial(jax.jit, static_argnames=ATTN_STATIC, donate_argnames=("lat", "rope"))
+@functools.partial(jax.jit, static_argnames=(*ATTN_STATIC, "with_shared"), donate_argnames=("lat", "rope"))
 def attn_route(
     layer: LayerParams,
     cfg: ModelConfig,
@@ -127,42 +127,20 @@ def attn_route(
     form="auto",
     q_block=1024,
     k_block=512,
+    with_shared: bool = False,
 ):
     """Attention, post-attention norm and gating of a MoE layer as ONE computation (one
-    dispatch instead of two per layer in decode) -> (h [B, T, D], lat, rope, x [B*T, D],
-    packed [B*T, D + 2k]): the routed experts' inputs x | ids | weights packed in one f32
-    array, so the hop to the host is one transfer, not three (ids < 2^24 are exact in f32)."""
+    dispatch instead of two per layer in decode) -> (h [B, T, D], lat, rope, x [B*T, D] or,
+    with_shared, the shared expert(s)' output [B*T, D] (decode: everything the accelerator
+    does before the hop in one dispatch), packed [B*T, D + 2k]): the routed experts' inputs
+    x | ids | weights packed in one f32 array, so the hop to the host is one transfer, not
+    three (ids < 2^24 are exact in f32)."""
     h, lat, rope = _attention_block(
         layer.attn_norm, layer.attn, cfg, h, lat, rope, rows, pos, prec, kv_len, form, q_block, k_block
     )
     x, ids, w = _route(layer, cfg, h, prec)
-    return h, lat, rope, x, _packed(x, ids, w)
-
-
-@functools.partial(jax.jit, static_argnames=ATTN_STATIC, donate_argnames=("lat", "rope"))
-def attn_route_shared(
-    layer: LayerParams,
-    cfg: ModelConfig,
-    h,
-    lat,
-    rope,
-    rows,
-    pos,
-    *,
-    prec: Precision = F32,
-    kv_len=0,
-    form="auto",
-    q_block=1024,
-    k_block=512,
-):
-    """attn_route plus the shared expert(s) in the same computation (decode: one dispatch for
-    everything the accelerator does before the hop) -> (h, lat, rope, shared [B*T, D],
-    packed [B*T, D + 2k])."""
-    h, lat, rope = _attention_block(
-        layer.attn_norm, layer.attn, cfg, h, lat, rope, rows, pos, prec, kv_len, form, q_block, k_block
-    )
-    x, ids, w = _route(layer, cfg, h, prec)
-    return h, lat, rope, swiglu(layer.ffn.shared, x, prec), _packed(x, ids, w)
+    side = swiglu(layer.ffn.shared, x, prec) if with_shared else x
+    return h, lat, rope, side, _packed(x, ids, w)
 
 
 def unpack_route(packed: jax.Array, hidden: int, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
