@@ -493,6 +493,42 @@ def enable_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 
 
+def set_gpu_mem_fraction(args: argparse.Namespace) -> float | None:
+    """`hmoe generate` on the engine: XLA_PYTHON_CLIENT_MEM_FRACTION from its plan's memory
+    budget (plan/memory.py, estimated: no weights, no jax), so JAX's GPU allocator may take
+    what the plan needs (JAX's default 0.75 of a 32 GB card is less than an slp prefill's
+    peak). JAX reads it once, when its GPU backend starts, which is after this; a value the
+    user set wins; CPU-only runs ignore it. Returns the fraction set, or None."""
+    if getattr(args, "command", None) != "generate" or "XLA_PYTHON_CLIENT_MEM_FRACTION" in os.environ:
+        return None
+    ckpt = getattr(args, "checkpoint", None)
+    schedule = args.schedule or ("auto" if ckpt else "none")
+    if schedule in ("none", "reference") or not ckpt:
+        return None
+    try:
+        from hmoe_jax.config import load_config
+        from hmoe_jax.plan.memory import gpu_mem_fraction
+        from hmoe_jax.plan.system import SystemSpec, load_system
+        from hmoe_jax.schedules.registry import get_schedule
+
+        cfg = load_config(Path(ckpt) / "config.json")
+        devices = args.devices or 1
+        system = load_system(args.system) if args.system else SystemSpec(num_accelerators=devices)
+        # prompt tokens: exact for --tokens; the UTF-8 byte count bounds a byte-level BPE's
+        tokens = len(args.tokens.split(",")) if args.tokens else len(args.prompt.encode()) + 2
+        sched = get_schedule(schedule)
+        if schedule == "auto":
+            sched = get_schedule(sched.choose(system, tokens, devices))
+        budget = sched.budget(cfg, system, tokens, devices=sched.uses_devices(devices))
+    except Exception:  # a bad config or system errors later, with its own message
+        return None
+    if budget is None or not budget.fits:
+        return None  # the engine's plan refuses it with the numbers
+    frac = gpu_mem_fraction(budget, system)
+    os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{frac:.2f}"
+    return frac
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point. argv None means a real command line: then the persistent compilation
     cache is enabled (in-process callers such as tests keep their own jax settings)."""
@@ -510,6 +546,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
     if argv is None:
         enable_compilation_cache()
+        set_gpu_mem_fraction(args)
     try:
         return args.func(args)
     except (ConfigError, CheckpointError, InputError) as e:
