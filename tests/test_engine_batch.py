@@ -109,3 +109,16 @@ def test_sampled_request_is_reproducible_whatever_its_batch():
         eng.step([s for s in (s1, s2) if not s.done])
     assert s1.tokens == alone
     assert s2.tokens == refs[0]
+
+
+def test_pool_rows_from_a_byte_budget():
+    cfg, params, *_ = model()
+    from hmoe_jax.runtime.kvpool import bytes_per_row
+
+    row = bytes_per_row(cfg, 64, np.float32)  # f32 policy: f32 cache
+    eng = Engine(
+        params, cfg, expert_fn="ref", precision="f32", max_len=64, kv_budget_bytes=3 * row + row // 2
+    )
+    assert eng.max_batch == 3 and eng.pool.rows == 3 and eng.pool.nbytes == 3 * row
+    with pytest.raises(PoolExhausted, match="rows=0 must be >= 1"):
+        Engine(params, cfg, expert_fn="ref", precision="f32", max_len=64, kv_budget_bytes=row // 2)

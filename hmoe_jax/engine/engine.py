@@ -167,6 +167,11 @@ class Engine:
 
             max_batch = rows_for_budget(cfg, kv_budget_bytes, self.max_len, self.prec.cache_dtype)
         self.max_batch = int(max_batch)
+        if self.max_batch < 1:
+            raise PoolExhausted(
+                f"KV pool: rows={self.max_batch} must be >= 1 (kv_budget_bytes={kv_budget_bytes} holds no "
+                f"{self.max_len}-token row)"
+            )
         self._pool: KVPool | None = None
 
     @property
