@@ -17,50 +17,18 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from hmoe_jax.kernels import ffi
+from hmoe_jax.kernels import gemm
+from hmoe_jax.quant.fp8 import FP8_DTYPE, Fp8Tensor, dequantize_np
+from tests.kernel_helpers import ISA_IDS, ISAS, err_bound, fp8_weight, raw_call  # skips if not built
 
-try:
-    ffi.extension()
-except ffi.FfiUnavailable:  # pragma: no cover - the CI builds the extension
-    pytest.skip("the _hmoe_ffi extension is not built", allow_module_level=True)
-
-from hmoe_jax.kernels import gemm  # noqa: E402
-from hmoe_jax.quant.fp8 import FP8_DTYPE, Fp8Tensor, dequantize_np, quantize_np  # noqa: E402
-
-FEATURES = ffi.cpu_features()
-ISAS = [gemm.ISA_PORTABLE]
-if FEATURES["avx2"]:
-    ISAS.append(gemm.ISA_AVX2)
-if FEATURES["avx512"]:
-    ISAS.append(gemm.ISA_AVX512)
-ISA_IDS = {gemm.ISA_PORTABLE: "portable", gemm.ISA_AVX2: "avx2", gemm.ISA_AVX512: "avx512"}
 M_VALUES = [1, 3, 8, 37]  # decode rows (AVX-512 tiles of 4 x 1-2 and 2 x 3-4) and prefill
 BF16 = ml_dtypes.bfloat16
-
-
-def _bound(x: np.ndarray, wf: np.ndarray) -> np.ndarray:
-    """gamma_K bound for x [M, K] against W [N, K] (f32 values)."""
-    xb = np.abs(x.astype(BF16).astype(np.float32))
-    return 2.0 * wf.shape[-1] * 2.0**-24 * (xb @ np.abs(wf).T) + 1e-30
 
 
 def _bf16_weight(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
     # row magnitudes that differ by orders, so a row read for the wrong output fails
     mag = np.exp(rng.uniform(-4, 4, size=(n, 1)))
     return (rng.standard_normal((n, k)) * mag).astype(BF16)
-
-
-def _fp8_heads(rng: np.random.Generator, h: int, n: int, k: int) -> Fp8Tensor:
-    # per-head, per-block magnitudes that differ by orders: a wrong head or block offset fails
-    mag = np.exp(rng.uniform(-4, 4, size=(h, -(-n // 128), -(-k // 128))))
-    wf = rng.standard_normal((h, n, k)) * np.repeat(np.repeat(mag, 128, 1), 128, 2)[:, :n, :k]
-    return quantize_np(wf.astype(np.float32))
-
-
-def _raw_call(target: str, out_shape, *args, **attrs):
-    ffi.register_all()
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(out_shape, jnp.float32))
-    return np.asarray(call(*args, **{k: np.int64(v) for k, v in attrs.items()}))
 
 
 # ---- bf16_matmul ----
@@ -80,7 +48,7 @@ def test_bf16_matmul_matches_ref(isa, m, n, k):
     y = np.asarray(gemm.bf16_matmul(jnp.asarray(x), jnp.asarray(w), max_isa=isa))
     ref = np.asarray(gemm.bf16_matmul_ref(x, jnp.asarray(w)))
     assert y.shape == (m, n)
-    assert np.all(np.abs(y - ref) <= _bound(x, w.astype(np.float32)))
+    assert np.all(np.abs(y - ref) <= err_bound(x, w.astype(np.float32)))
 
 
 @pytest.mark.parametrize("isa", ISAS, ids=lambda i: ISA_IDS[i])
@@ -113,7 +81,7 @@ def test_bf16_matmul_bf16_input_and_leading_dims(isa):
     ref = np.asarray(gemm.bf16_matmul_ref(x, jnp.asarray(w)))
     assert y.shape == (2, 3, 70)
     xf = np.asarray(x.astype(jnp.float32)).reshape(6, 256)
-    assert np.all(np.abs(y.reshape(6, 70) - ref.reshape(6, 70)) <= _bound(xf, w.astype(np.float32)))
+    assert np.all(np.abs(y.reshape(6, 70) - ref.reshape(6, 70)) <= err_bound(xf, w.astype(np.float32)))
 
 
 def test_bf16_matmul_jit_vmap_zero_copy():
@@ -128,7 +96,7 @@ def test_bf16_matmul_jit_vmap_zero_copy():
     ref = np.asarray(gemm.bf16_matmul_ref(x, w_dev))
     assert y.shape == (5, 2, 130)
     xf = np.asarray(x).reshape(10, 512)
-    bound = _bound(xf, w_np.astype(np.float32))
+    bound = err_bound(xf, w_np.astype(np.float32))
     assert np.all(np.abs(y.reshape(10, 130) - ref.reshape(10, 130)) <= bound)
 
 
@@ -162,17 +130,17 @@ def test_bf16_ffi_errors_name_the_operand():
     x = jnp.ones((1, 256), jnp.float32)
     attrs = dict(max_isa=-1, num_threads=0)
     with pytest.raises(Exception, match="hmoe_bf16_gemm: w dtype must be bfloat16 .*, got float32"):
-        _raw_call("hmoe_bf16_gemm", (1, 8), x, jnp.ones((8, 256), jnp.float32), **attrs)
+        raw_call("hmoe_bf16_gemm", (1, 8), x, jnp.ones((8, 256), jnp.float32), **attrs)
     with pytest.raises(Exception, match="hmoe_bf16_gemm: w must have rank >= 2"):
-        _raw_call("hmoe_bf16_gemm", (1, 8), x, jnp.ones((256,), jnp.bfloat16), **attrs)
+        raw_call("hmoe_bf16_gemm", (1, 8), x, jnp.ones((256,), jnp.bfloat16), **attrs)
     with pytest.raises(Exception, match=r"hmoe_bf16_gemm: w leading dims must be 1 .* \[2, 8, 256\]"):
-        _raw_call("hmoe_bf16_gemm", (1, 8), x, jnp.ones((2, 8, 256), jnp.bfloat16), **attrs)
+        raw_call("hmoe_bf16_gemm", (1, 8), x, jnp.ones((2, 8, 256), jnp.bfloat16), **attrs)
     with pytest.raises(Exception, match=r"hmoe_bf16_gemm: x shape \[1, 128\] must end in K=256"):
-        _raw_call("hmoe_bf16_gemm", (1, 8), jnp.ones((1, 128)), w, **attrs)
+        raw_call("hmoe_bf16_gemm", (1, 8), jnp.ones((1, 128)), w, **attrs)
     with pytest.raises(Exception, match="hmoe_bf16_gemm: x dtype must be float32 or bfloat16, got float16"):
-        _raw_call("hmoe_bf16_gemm", (1, 8), x.astype(jnp.float16), w, **attrs)
+        raw_call("hmoe_bf16_gemm", (1, 8), x.astype(jnp.float16), w, **attrs)
     with pytest.raises(Exception, match="hmoe_bf16_gemm: result must be float32 with M\\*N elements"):
-        _raw_call("hmoe_bf16_gemm", (1, 9), x, w, **attrs)
+        raw_call("hmoe_bf16_gemm", (1, 9), x, w, **attrs)
 
 
 # ---- fp8_head_matmul ----
@@ -187,20 +155,20 @@ def test_bf16_ffi_errors_name_the_operand():
 )
 def test_fp8_head_matmul_matches_ref(isa, b, h, n, k):
     rng = np.random.default_rng(1000 * b + n)
-    t = _fp8_heads(rng, h, n, k)
+    t = fp8_weight(rng, h, n, k)
     x = rng.standard_normal((b, h, k)).astype(np.float32)
     y = np.asarray(gemm.fp8_head_matmul(jnp.asarray(x), t, max_isa=isa))
     ref = np.asarray(gemm.fp8_head_matmul_ref(x, t))
     assert y.shape == (b, h, n)
     wf = dequantize_np(t)  # [H, N, K]
     for j in range(h):
-        assert np.all(np.abs(y[:, j] - ref[:, j]) <= _bound(x[:, j], wf[j])), f"head {j}"
+        assert np.all(np.abs(y[:, j] - ref[:, j]) <= err_bound(x[:, j], wf[j])), f"head {j}"
 
 
 @pytest.mark.parametrize("isa", ISAS, ids=lambda i: ISA_IDS[i])
 def test_fp8_head_matmul_bf16_input_and_leading_dims(isa):
     rng = np.random.default_rng(8)
-    t = _fp8_heads(rng, 3, 136, 256)
+    t = fp8_weight(rng, 3, 136, 256)
     x = jnp.asarray(rng.standard_normal((2, 2, 3, 256)), jnp.bfloat16)
     y = np.asarray(gemm.fp8_head_matmul(x, t, max_isa=isa))
     ref = np.asarray(gemm.fp8_head_matmul_ref(x, t))
@@ -209,12 +177,12 @@ def test_fp8_head_matmul_bf16_input_and_leading_dims(isa):
     wf = dequantize_np(t)
     for j in range(3):
         err = np.abs(y.reshape(4, 3, 136)[:, j] - ref.reshape(4, 3, 136)[:, j])
-        assert np.all(err <= _bound(xf[:, j], wf[j]))
+        assert np.all(err <= err_bound(xf[:, j], wf[j]))
 
 
 def test_fp8_head_matmul_jit_vmap():
     rng = np.random.default_rng(9)
-    t = _fp8_heads(rng, 4, 128, 256)
+    t = fp8_weight(rng, 4, 128, 256)
     w_np = gemm.aligned_empty(t.w.shape, FP8_DTYPE)
     w_np[...] = np.asarray(t.w)
     td = Fp8Tensor(w=gemm.device_put_zero_copy(w_np), scale_inv=jnp.asarray(t.scale_inv))
@@ -226,7 +194,7 @@ def test_fp8_head_matmul_jit_vmap():
     xf, wf = np.asarray(x).reshape(10, 4, 256), dequantize_np(t)
     for j in range(4):
         err = np.abs(y.reshape(10, 4, 128)[:, j] - ref.reshape(10, 4, 128)[:, j])
-        assert np.all(err <= _bound(xf[:, j], wf[j]))
+        assert np.all(err <= err_bound(xf[:, j], wf[j]))
 
 
 @pytest.mark.parametrize("threads", [2, 3])
@@ -234,7 +202,7 @@ def test_fp8_head_thread_counts_agree(threads):
     """Tasks split the H*N stacked rows and may cross heads; with N % 4 == 0 every row
     stays in the same kernel tile shape, so the results are bit-identical."""
     rng = np.random.default_rng(10)
-    t = _fp8_heads(rng, 8, 300, 256)
+    t = fp8_weight(rng, 8, 300, 256)
     x = jnp.asarray(rng.standard_normal((2, 8, 256)), jnp.float32)
     y1 = np.asarray(gemm.fp8_head_matmul(x, t, num_threads=1))
     np.testing.assert_array_equal(y1, np.asarray(gemm.fp8_head_matmul(x, t, num_threads=threads)))
@@ -242,7 +210,7 @@ def test_fp8_head_thread_counts_agree(threads):
 
 def test_fp8_head_python_errors():
     rng = np.random.default_rng(11)
-    t = _fp8_heads(rng, 2, 128, 256)
+    t = fp8_weight(rng, 2, 128, 256)
     x = jnp.ones((1, 2, 256))
     with pytest.raises(ValueError, match=r"fp8_head_matmul: w.w must be \[H, N, K\], got shape \(128, 256\)"):
         gemm.fp8_head_matmul(x, Fp8Tensor(w=t.w[0], scale_inv=t.scale_inv[0]))
@@ -271,24 +239,24 @@ def test_fp8_head_ffi_errors_name_the_operand():
     with pytest.raises(
         Exception, match=r"hmoe_fp8_bmv: scale grid \[2, 1, 3\] does not match w .* \[2, 1, 2\]"
     ):
-        _raw_call("hmoe_fp8_bmv", out, x, w, jnp.ones((2, 1, 3), jnp.float32), **attrs)
+        raw_call("hmoe_fp8_bmv", out, x, w, jnp.ones((2, 1, 3), jnp.float32), **attrs)
     with pytest.raises(Exception, match=r"hmoe_fp8_bmv: scale grid \[3, 1, 2\] does not match w"):
-        _raw_call("hmoe_fp8_bmv", out, x, w, jnp.ones((3, 1, 2), jnp.float32), **attrs)
+        raw_call("hmoe_fp8_bmv", out, x, w, jnp.ones((3, 1, 2), jnp.float32), **attrs)
     with pytest.raises(Exception, match="hmoe_fp8_bmv: scale dtype must be float32, got bfloat16"):
-        _raw_call("hmoe_fp8_bmv", out, x, w, s.astype(jnp.bfloat16), **attrs)
+        raw_call("hmoe_fp8_bmv", out, x, w, s.astype(jnp.bfloat16), **attrs)
     with pytest.raises(Exception, match="hmoe_fp8_bmv: w dtype must be float8_e4m3fn .*, got int8"):
-        _raw_call("hmoe_fp8_bmv", out, x, jnp.zeros((2, 128, 256), jnp.int8), s, **attrs)
+        raw_call("hmoe_fp8_bmv", out, x, jnp.zeros((2, 128, 256), jnp.int8), s, **attrs)
     with pytest.raises(Exception, match=r"hmoe_fp8_bmv: w must have rank >= 3 \(\[H, ., .\]\)"):
-        _raw_call("hmoe_fp8_bmv", out, x, w[0], s, **attrs)
+        raw_call("hmoe_fp8_bmv", out, x, w[0], s, **attrs)
     with pytest.raises(
         Exception, match=r"hmoe_fp8_bmv: x shape \[1, 3, 256\] must end in \[H, K\]=\[2, 256\]"
     ):
-        _raw_call("hmoe_fp8_bmv", out, jnp.ones((1, 3, 256)), w, s, **attrs)
+        raw_call("hmoe_fp8_bmv", out, jnp.ones((1, 3, 256)), w, s, **attrs)
     with pytest.raises(Exception, match="hmoe_fp8_bmv: x dtype must be float32 or bfloat16, got float16"):
-        _raw_call("hmoe_fp8_bmv", out, x.astype(jnp.float16), w, s, **attrs)
+        raw_call("hmoe_fp8_bmv", out, x.astype(jnp.float16), w, s, **attrs)
     with pytest.raises(
         Exception, match="hmoe_fp8_bmv: fp8 weight: block_k must be a positive multiple of 64"
     ):
-        _raw_call("hmoe_fp8_bmv", out, x, w, jnp.ones((2, 1, 8), jnp.float32), **{**attrs, "block_k": 32})
+        raw_call("hmoe_fp8_bmv", out, x, w, jnp.ones((2, 1, 8), jnp.float32), **{**attrs, "block_k": 32})
     with pytest.raises(Exception, match=r"hmoe_fp8_bmv: result must be float32 with B\*H\*N elements"):
-        _raw_call("hmoe_fp8_bmv", (1, 2, 127), x, w, s, **attrs)
+        raw_call("hmoe_fp8_bmv", (1, 2, 127), x, w, s, **attrs)

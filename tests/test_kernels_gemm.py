@@ -16,38 +16,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from hmoe_jax.kernels import ffi
+from hmoe_jax.kernels import gemm
+from hmoe_jax.quant.fp8 import FP8_DTYPE, Fp8Tensor, dequantize_np
+from hmoe_jax.quant.int4 import dequantize_int4_np, quantize_int4_np
+from tests.kernel_helpers import ISA_IDS, ISAS, err_bound, fp8_weight, raw_call  # skips if not built
 
-try:
-    ffi.extension()
-except ffi.FfiUnavailable:  # pragma: no cover - the CI builds the extension
-    pytest.skip("the _hmoe_ffi extension is not built", allow_module_level=True)
-
-from hmoe_jax.kernels import gemm  # noqa: E402
-from hmoe_jax.quant.fp8 import FP8_DTYPE, Fp8Tensor, dequantize_np, quantize_np  # noqa: E402
-from hmoe_jax.quant.int4 import dequantize_int4_np, quantize_int4_np  # noqa: E402
-
-FEATURES = ffi.cpu_features()
-ISAS = [gemm.ISA_PORTABLE]
-if FEATURES["avx2"]:
-    ISAS.append(gemm.ISA_AVX2)
-if FEATURES["avx512"]:
-    ISAS.append(gemm.ISA_AVX512)
-ISA_IDS = {gemm.ISA_PORTABLE: "portable", gemm.ISA_AVX2: "avx2", gemm.ISA_AVX512: "avx512"}
 M_VALUES = [1, 2, 3, 8, 64, 130]
-
-
-def _bound(x: np.ndarray, wf: np.ndarray) -> np.ndarray:
-    xb = np.abs(x.astype(ml_dtypes.bfloat16).astype(np.float32))
-    k = wf.shape[1]
-    return 2.0 * k * 2.0**-24 * (xb @ np.abs(wf).T) + 1e-30
-
-
-def _fp8_weight(rng: np.random.Generator, n: int, k: int) -> Fp8Tensor:
-    # per-block magnitudes that differ by orders, so a scale applied to the wrong block fails
-    block_mag = np.exp(rng.uniform(-4, 4, size=(-(-n // 128), -(-k // 128))))
-    wf = rng.standard_normal((n, k)) * np.repeat(np.repeat(block_mag, 128, 0), 128, 1)[:n, :k]
-    return quantize_np(wf.astype(np.float32))
 
 
 @pytest.mark.parametrize("isa", ISAS, ids=lambda i: ISA_IDS[i])
@@ -116,24 +90,24 @@ def test_activation_rounding_is_bit_exact(isa, k):
 @pytest.mark.parametrize("n,k", [(300, 448), (257, 200)], ids=["partial-blocks", "odd-n-partial-chunk"])
 def test_fp8_matmul_matches_ref(isa, m, n, k):
     rng = np.random.default_rng(1000 * m + n)
-    t = _fp8_weight(rng, n, k)
+    t = fp8_weight(rng, n, k)
     x = rng.standard_normal((m, k)).astype(np.float32)
     y = np.asarray(gemm.fp8_matmul(jnp.asarray(x), t, max_isa=isa))
     ref = np.asarray(gemm.fp8_matmul_ref(x, t))
     assert y.shape == (m, n)
-    assert np.all(np.abs(y - ref) <= _bound(x, dequantize_np(t)))
+    assert np.all(np.abs(y - ref) <= err_bound(x, dequantize_np(t)))
 
 
 @pytest.mark.parametrize("isa", ISAS, ids=lambda i: ISA_IDS[i])
 def test_fp8_bf16_input_and_leading_dims(isa):
     rng = np.random.default_rng(7)
-    t = _fp8_weight(rng, 136, 256)
+    t = fp8_weight(rng, 136, 256)
     x = jnp.asarray(rng.standard_normal((2, 3, 256)), jnp.bfloat16)
     y = np.asarray(gemm.fp8_matmul(x, t, max_isa=isa))
     ref = np.asarray(gemm.fp8_matmul_ref(x, t))
     assert y.shape == (2, 3, 136)
     xf = np.asarray(x.astype(jnp.float32)).reshape(6, 256)
-    assert np.all(np.abs(y.reshape(6, 136) - ref.reshape(6, 136)) <= _bound(xf, dequantize_np(t)))
+    assert np.all(np.abs(y.reshape(6, 136) - ref.reshape(6, 136)) <= err_bound(xf, dequantize_np(t)))
 
 
 @pytest.mark.parametrize("isa", ISAS, ids=lambda i: ISA_IDS[i])
@@ -153,8 +127,8 @@ def test_int4_matmul_matches_ref(isa, m, n, k, group):
     # the AVX-512 path sums x * (136 + q) and subtracts 136 * sum(x) (gemm_avx512.cc): its
     # f32 sums hold terms up to 136 * |x| * scale, so the gamma_n bound gets that term too
     s_full = np.repeat(np.asarray(w.scale, np.float32), group, axis=-1)  # [N, K]
-    offset_bound = _bound(x, 136.0 * s_full)
-    assert np.all(np.abs(y - ref) <= _bound(x, dequantize_int4_np(w)) + offset_bound)
+    offset_bound = err_bound(x, 136.0 * s_full)
+    assert np.all(np.abs(y - ref) <= err_bound(x, dequantize_int4_np(w)) + offset_bound)
 
 
 @pytest.mark.parametrize("isa", ISAS, ids=lambda i: ISA_IDS[i])
@@ -172,7 +146,7 @@ def test_int4_all_nibbles_every_position(isa, k):
 
 def test_jit_vmap_and_zero_copy_weights():
     rng = np.random.default_rng(3)
-    t = _fp8_weight(rng, 256, 256)
+    t = fp8_weight(rng, 256, 256)
     w_np = gemm.aligned_empty(t.w.shape, FP8_DTYPE)
     w_np[...] = np.asarray(t.w)
     w_dev = gemm.device_put_zero_copy(w_np)
@@ -184,13 +158,13 @@ def test_jit_vmap_and_zero_copy_weights():
     ref = np.asarray(gemm.fp8_matmul_ref(x, t))
     assert y.shape == (5, 2, 256)
     xf = np.asarray(x).reshape(10, 256)
-    assert np.all(np.abs(y.reshape(10, 256) - ref.reshape(10, 256)) <= _bound(xf, dequantize_np(t)))
+    assert np.all(np.abs(y.reshape(10, 256) - ref.reshape(10, 256)) <= err_bound(xf, dequantize_np(t)))
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_thread_counts_agree(threads):
     rng = np.random.default_rng(4)
-    t = _fp8_weight(rng, 1000, 512)
+    t = fp8_weight(rng, 1000, 512)
     x = jnp.asarray(rng.standard_normal((2, 512)), jnp.float32)
     y1 = np.asarray(gemm.fp8_matmul(x, t, num_threads=1))
     yt = np.asarray(gemm.fp8_matmul(x, t, num_threads=threads))
@@ -214,7 +188,7 @@ def test_read_bytes_sums_every_word():
 
 def test_python_errors():
     rng = np.random.default_rng(6)
-    t = _fp8_weight(rng, 128, 256)
+    t = fp8_weight(rng, 128, 256)
     with pytest.raises(TypeError, match="x dtype must be float32 or bfloat16, got int32"):
         gemm.fp8_matmul(jnp.ones((1, 256), jnp.int32), t)
     with pytest.raises(ValueError, match=r"x shape \(1, 255\) must end in K=256"):
@@ -231,12 +205,6 @@ def test_python_errors():
         gemm.int4_matmul(jnp.ones((1, 128)), type(w4)(q=w4.q, scale=np.ones((8, 2), np.float32), group=64))
 
 
-def _raw_call(target: str, out_shape, *args, **attrs):
-    ffi.register_all()
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(out_shape, jnp.float32))
-    return np.asarray(call(*args, **{k: np.int64(v) for k, v in attrs.items()}))
-
-
 def test_ffi_errors_name_the_operand():
     """The C++ adapters validate too (callers that bypass the Python wrapper)."""
     w = jnp.zeros((128, 256), FP8_DTYPE)
@@ -244,18 +212,18 @@ def test_ffi_errors_name_the_operand():
     x = jnp.ones((1, 256), jnp.float32)
     attrs = dict(max_isa=-1, num_threads=0, block_n=128, block_k=128)
     with pytest.raises(Exception, match="hmoe_fp8_gemm: scale grid \\[1, 3\\] does not match w"):
-        _raw_call("hmoe_fp8_gemm", (1, 128), x, w, jnp.ones((1, 3), jnp.float32), **attrs)
+        raw_call("hmoe_fp8_gemm", (1, 128), x, w, jnp.ones((1, 3), jnp.float32), **attrs)
     with pytest.raises(Exception, match="hmoe_fp8_gemm: x dtype must be float32 or bfloat16, got float16"):
-        _raw_call("hmoe_fp8_gemm", (1, 128), x.astype(jnp.float16), w, s, **attrs)
+        raw_call("hmoe_fp8_gemm", (1, 128), x.astype(jnp.float16), w, s, **attrs)
     with pytest.raises(Exception, match="hmoe_fp8_gemm: w dtype must be float8_e4m3fn"):
-        _raw_call("hmoe_fp8_gemm", (1, 128), x, jnp.zeros((128, 256), jnp.int8), s, **attrs)
+        raw_call("hmoe_fp8_gemm", (1, 128), x, jnp.zeros((128, 256), jnp.int8), s, **attrs)
     with pytest.raises(Exception, match="hmoe_fp8_gemm: x shape \\[1, 128\\] must end in K=256"):
-        _raw_call("hmoe_fp8_gemm", (1, 128), jnp.ones((1, 128)), w, s, **attrs)
+        raw_call("hmoe_fp8_gemm", (1, 128), jnp.ones((1, 128)), w, s, **attrs)
     with pytest.raises(Exception, match="block_k must be a positive multiple of 64"):
-        _raw_call("hmoe_fp8_gemm", (1, 128), x, w, jnp.ones((1, 8), jnp.float32), **{**attrs, "block_k": 32})
+        raw_call("hmoe_fp8_gemm", (1, 128), x, w, jnp.ones((1, 8), jnp.float32), **{**attrs, "block_k": 32})
     q = jnp.zeros((8, 64), jnp.uint8)
     with pytest.raises(Exception, match="hmoe_int4_gemm: scale shape \\[8, 3\\] does not match q"):
-        _raw_call(
+        raw_call(
             "hmoe_int4_gemm",
             (1, 8),
             jnp.ones((1, 128)),
@@ -267,7 +235,7 @@ def test_ffi_errors_name_the_operand():
     with pytest.raises(
         Exception, match="hmoe_int4_gemm: int4 weight: group must be a positive multiple of 64, got 32"
     ):
-        _raw_call(
+        raw_call(
             "hmoe_int4_gemm",
             (1, 8),
             jnp.ones((1, 128)),

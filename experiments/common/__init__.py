@@ -10,6 +10,7 @@ the LAST stdout line (compact JSON).
 """
 
 from experiments.common.membw import measure_read_bw
+from experiments.common.models import larger_moe_config
 from experiments.common.record import emit_record, environment, parse_args, print_ceiling
 from experiments.common.timing import TimingStats, interleaved_timings, median_time
 from experiments.common.weights import RotatingSet
@@ -20,6 +21,7 @@ __all__ = [
     "emit_record",
     "environment",
     "interleaved_timings",
+    "larger_moe_config",
     "measure_read_bw",
     "median_time",
     "parse_args",

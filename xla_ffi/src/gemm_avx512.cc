@@ -135,12 +135,7 @@ void fp8_tile(const uint16_t* xp, int64_t ks, const Fp8Matrix& w, int64_t r0, fl
 template <int R>
 void fp8_rows_mb(const uint16_t* xp, int64_t ks, int64_t mb, const Fp8Matrix& w, int64_t r0,
                  float* y, int64_t ldy, int64_t n_end) {
-  switch (mb) {
-    case 1: return fp8_tile<R, 1>(xp, ks, w, r0, y, ldy, n_end);
-    case 2: return fp8_tile<R, 2>(xp, ks, w, r0, y, ldy, n_end);
-    case 3: return fp8_tile<R, 3>(xp, ks, w, r0, y, ldy, n_end);
-    default: return fp8_tile<R, 4>(xp, ks, w, r0, y, ldy, n_end);
-  }
+  HMOE_TILE_MB(mb, fp8_tile, xp, ks, w, r0, y, ldy, n_end);
 }
 
 // ---- FP8, larger M: decode a 4-row weight panel once into a small bf16 buffer (L1/L2
@@ -191,12 +186,7 @@ void fp8_panel_tile(const uint16_t* xp, int64_t ks, const uint16_t* panel, const
 template <int R>
 void fp8_panel_mb(const uint16_t* xp, int64_t ks, int64_t mb, const uint16_t* panel,
                   const Fp8Matrix& w, int64_t r0, float* y, int64_t ldy) {
-  switch (mb) {
-    case 1: return fp8_panel_tile<R, 1>(xp, ks, panel, w, r0, y, ldy);
-    case 2: return fp8_panel_tile<R, 2>(xp, ks, panel, w, r0, y, ldy);
-    case 3: return fp8_panel_tile<R, 3>(xp, ks, panel, w, r0, y, ldy);
-    default: return fp8_panel_tile<R, 4>(xp, ks, panel, w, r0, y, ldy);
-  }
+  HMOE_TILE_MB(mb, fp8_panel_tile, xp, ks, panel, w, r0, y, ldy);
 }
 
 void fp8_panel_rows(const uint16_t* xp, int64_t m, const Fp8Matrix& w, int64_t n0, int64_t n1,
@@ -380,12 +370,7 @@ const float* int4_block_sums(const uint16_t* xp, int64_t m, const Int4Matrix& w)
 template <int R>
 void int4_rows_mb(const uint16_t* xp, int64_t ks, const float* xs, int64_t mb,
                   const Int4Matrix& w, int64_t r0, float* y, int64_t ldy, int64_t n_end) {
-  switch (mb) {
-    case 1: return int4_tile<R, 1>(xp, ks, xs, w, r0, y, ldy, n_end);
-    case 2: return int4_tile<R, 2>(xp, ks, xs, w, r0, y, ldy, n_end);
-    case 3: return int4_tile<R, 3>(xp, ks, xs, w, r0, y, ldy, n_end);
-    default: return int4_tile<R, 4>(xp, ks, xs, w, r0, y, ldy, n_end);
-  }
+  HMOE_TILE_MB(mb, int4_tile, xp, ks, xs, w, r0, y, ldy, n_end);
 }
 
 // Row tiles of R (R = 4 when m <= 2: more independent streams; else 2 to keep R * MB * 2

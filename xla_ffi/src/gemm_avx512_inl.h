@@ -45,4 +45,18 @@ inline int64_t prefetch_tiles(int64_t tile_bytes) {
 }  // namespace
 }  // namespace hmoe
 
+// In a function template over R (the tile's output rows) taking `int64_t mb`:
+//   HMOE_TILE_MB(mb, fp8_tile, xp, ks, w, r0, y, ldy, n_end);
+// returns tile<R, MB>(args...) for MB = min(mb, 4) in 1..4 (mb >= 1), the register tile's
+// activation-row count as a template argument. A macro, not a template taking a lambda:
+// it expands to the plain switch, so GCC's inlining of the tiles (and the kernels' code)
+// stays what it was with the switch written out (a lambda version inlined differently).
+#define HMOE_TILE_MB(mb, tile, ...)                  \
+  switch (mb) {                                      \
+    case 1: return tile<R, 1>(__VA_ARGS__);          \
+    case 2: return tile<R, 2>(__VA_ARGS__);          \
+    case 3: return tile<R, 3>(__VA_ARGS__);          \
+    default: return tile<R, 4>(__VA_ARGS__);         \
+  }
+
 #endif  // HMOE_GEMM_AVX512_INL_H_

@@ -70,12 +70,7 @@ void bf16_tile(const uint16_t* xp, int64_t ks, const Bf16Matrix& w, int64_t r0, 
 template <int R>
 void bf16_rows_mb(const uint16_t* xp, int64_t ks, int64_t mb, const Bf16Matrix& w, int64_t r0,
                   float* y, int64_t ldy, int64_t n_end) {
-  switch (mb) {
-    case 1: return bf16_tile<R, 1>(xp, ks, w, r0, y, ldy, n_end);
-    case 2: return bf16_tile<R, 2>(xp, ks, w, r0, y, ldy, n_end);
-    case 3: return bf16_tile<R, 3>(xp, ks, w, r0, y, ldy, n_end);
-    default: return bf16_tile<R, 4>(xp, ks, w, r0, y, ldy, n_end);
-  }
+  HMOE_TILE_MB(mb, bf16_tile, xp, ks, w, r0, y, ldy, n_end);
 }
 
 }  // namespace

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <atomic>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gemm_kernels.h"
@@ -26,12 +27,14 @@ namespace ffi = xla::ffi;
 namespace hmoe {
 namespace {
 
-std::string dims_str(ffi::AnyBuffer b) {
+template <typename Ints>
+std::string list_str(const Ints& d) {
   std::string s = "[";
-  auto d = b.dimensions();
   for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
   return s + "]";
 }
+
+std::string dims_str(ffi::AnyBuffer b) { return list_str(b.dimensions()); }
 
 std::string dtype_str(ffi::DataType t) {
   switch (t) {
@@ -55,20 +58,49 @@ ffi::Error invalid(const std::string& msg) {
   return ffi::Error(ffi::ErrorCode::kInvalidArgument, msg);
 }
 
-// The last two dims of a weight-like operand, after checking the leading ones are 1.
-ffi::Error matrix_dims(const char* op, const char* name, ffi::AnyBuffer b, int64_t& rows,
-                       int64_t& cols) {
+// The last nd dims of an operand into out[0, nd) — nd = 2: one matrix, nd = 3: one head
+// stack [H, ., .] — after checking the leading ones are 1.
+ffi::Error trailing_dims(const char* op, const char* name, ffi::AnyBuffer b, size_t nd,
+                         int64_t* out) {
   auto d = b.dimensions();
-  if (d.size() < 2)
-    return invalid(std::string(op) + ": " + name + " must have rank >= 2, got shape " +
-                   dims_str(b));
-  for (size_t i = 0; i + 2 < d.size(); ++i)
+  const bool stack = nd == 3;
+  if (d.size() < nd)
+    return invalid(std::string(op) + ": " + name + " must have rank >= " + std::to_string(nd) +
+                   (stack ? " ([H, ., .])" : "") + ", got shape " + dims_str(b));
+  for (size_t i = 0; i + nd < d.size(); ++i)
     if (d[i] != 1)
-      return invalid(std::string(op) + ": " + name +
-                     " leading dims must be 1 (one matrix per call), got shape " + dims_str(b));
-  rows = d[d.size() - 2];
-  cols = d[d.size() - 1];
+      return invalid(std::string(op) + ": " + name + " leading dims must be 1 (" +
+                     (stack ? "one head stack" : "one matrix") + " per call), got shape " +
+                     dims_str(b));
+  for (size_t i = 0; i < nd; ++i) out[i] = d[d.size() - nd + i];
   return ffi::Error::Success();
+}
+
+ffi::Error check_x_dtype(const char* op, ffi::AnyBuffer x) {
+  const auto t = x.element_type();
+  if (t != ffi::DataType::F32 && t != ffi::DataType::BF16)
+    return invalid(std::string(op) + ": x dtype must be float32 or bfloat16, got " +
+                   dtype_str(t));
+  return ffi::Error::Success();
+}
+
+ffi::Error check_result(const char* op, ffi::Result<ffi::AnyBuffer>& y, int64_t count,
+                        const char* what) {
+  if (y->element_count() != static_cast<size_t>(count) ||
+      y->element_type() != ffi::DataType::F32)
+    return invalid(std::string(op) + ": result must be float32 with " + what +
+                   " elements, got shape " + dims_str(*y));
+  return ffi::Error::Success();
+}
+
+// pack_x_f32 / pack_x_bf16 (by x's dtype) of m rows of x from element `offset` on.
+void pack_rows(Isa isa, WeightFormat fmt, ffi::AnyBuffer x, int64_t offset, int64_t m,
+               int64_t ldx, int64_t k, uint16_t* xp) {
+  if (x.element_type() == ffi::DataType::F32)
+    pack_x_f32(isa, fmt, static_cast<const float*>(x.untyped_data()) + offset, m, ldx, k, xp);
+  else
+    pack_x_bf16(isa, fmt, static_cast<const uint16_t*>(x.untyped_data()) + offset, m, ldx, k,
+                xp);
 }
 
 struct Activations {
@@ -82,20 +114,46 @@ ffi::Error pack_activations(const char* op, Isa isa, WeightFormat fmt, ffi::AnyB
   if (d.size() < 1 || d[d.size() - 1] != k_expected)
     return invalid(std::string(op) + ": x shape " + dims_str(x) + " must end in K=" +
                    std::to_string(k_expected) + " (the weight's input dim)");
-  const auto t = x.element_type();
-  if (t != ffi::DataType::F32 && t != ffi::DataType::BF16)
-    return invalid(std::string(op) + ": x dtype must be float32 or bfloat16, got " +
-                   dtype_str(t));
+  if (auto e = check_x_dtype(op, x); e.failure()) return e;
   out.k = k_expected;
   out.m = 1;
   for (size_t i = 0; i + 1 < d.size(); ++i) out.m *= d[i];
   out.packed.resize(std::max<int64_t>(1, out.m * packed_x_stride(out.k)));
-  if (t == ffi::DataType::F32)
-    pack_x_f32(isa, fmt, static_cast<const float*>(x.untyped_data()), out.m, out.k, out.k,
-               out.packed.data());
-  else
-    pack_x_bf16(isa, fmt, static_cast<const uint16_t*>(x.untyped_data()), out.m, out.k, out.k,
-                out.packed.data());
+  pack_rows(isa, fmt, x, 0, out.m, out.k, out.k, out.packed.data());
+  return ffi::Error::Success();
+}
+
+// The FP8 operands: w [1.., (H,) N, K] e4m3fn codes (or their uint8 bits) and scale
+// [1.., (H,) ceil(N/bn), ceil(K/bk)] f32, with the H dim when `stacked` (h = its size,
+// else 1). mat gets head 0's pointers and the blocks.
+ffi::Error fp8_operands(const char* op, bool stacked, ffi::AnyBuffer w, ffi::AnyBuffer scale,
+                        int64_t block_n, int64_t block_k, Fp8Matrix& mat, int64_t& h) {
+  if (w.element_type() != ffi::DataType::F8E4M3FN && w.element_type() != ffi::DataType::U8)
+    return invalid(std::string(op) + ": w dtype must be float8_e4m3fn (or its uint8 bits), got " +
+                   dtype_str(w.element_type()));
+  if (scale.element_type() != ffi::DataType::F32)
+    return invalid(std::string(op) + ": scale dtype must be float32, got " +
+                   dtype_str(scale.element_type()));
+  const size_t nd = stacked ? 3 : 2;
+  int64_t wd[3], sd[3];
+  if (auto e = trailing_dims(op, "w", w, nd, wd); e.failure()) return e;
+  h = stacked ? wd[0] : 1;
+  mat.n = wd[nd - 2];
+  mat.k = wd[nd - 1];
+  if (h <= 0)
+    return invalid(std::string(op) + ": w must have H >= 1 heads, got shape " + dims_str(w));
+  mat.block_n = block_n;
+  mat.block_k = block_k;
+  if (auto msg = check_fp8(mat); !msg.empty()) return invalid(std::string(op) + ": " + msg);
+  if (auto e = trailing_dims(op, "scale", scale, nd, sd); e.failure()) return e;
+  std::vector<int64_t> want = {(mat.n + block_n - 1) / block_n, (mat.k + block_k - 1) / block_k};
+  if (stacked) want.insert(want.begin(), h);
+  if (!std::equal(want.begin(), want.end(), sd))
+    return invalid(std::string(op) + ": scale grid " + dims_str(scale) + " does not match w " +
+                   dims_str(w) + " with blocks " + std::to_string(block_n) + "x" +
+                   std::to_string(block_k) + ": expected " + list_str(want));
+  mat.w = static_cast<const uint8_t*>(w.untyped_data());
+  mat.scale = static_cast<const float*>(scale.untyped_data());
   return ffi::Error::Success();
 }
 
@@ -129,43 +187,33 @@ void run_rows(int64_t n, int64_t row_bytes, int64_t num_threads, RowsFn rows_fn)
                [&](int64_t t) { rows_fn(starts[t], starts[t + 1]); });
 }
 
+// What the one-matrix ops share once their weight is checked: pack x, check y [M, N],
+// and run `rows` over run_rows' split of the N output rows (row_bytes: one weight row).
+template <typename Matrix>
+ffi::Error run_gemm(const char* op, WeightFormat fmt, const Matrix& mat, int64_t row_bytes,
+                    GemmRowsFn<Matrix>* rows, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
+                    int64_t max_isa, int64_t num_threads) {
+  const Isa isa = requested_isa(max_isa);
+  Activations a;
+  if (auto e = pack_activations(op, isa, fmt, x, mat.k, a); e.failure()) return e;
+  if (auto e = check_result(op, y, a.m * mat.n, "M*N"); e.failure()) return e;
+  float* out = static_cast<float*>(y->untyped_data());
+  run_rows(mat.n, row_bytes, num_threads, [&](int64_t n0, int64_t n1) {
+    rows(isa, a.packed.data(), a.m, mat, n0, n1, out, mat.n);
+  });
+  return ffi::Error::Success();
+}
+
 ffi::Error Fp8GemmImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale,
                        ffi::Result<ffi::AnyBuffer> y, int64_t max_isa, int64_t num_threads,
                        int64_t block_n, int64_t block_k) {
   const char* op = "hmoe_fp8_gemm";
-  if (w.element_type() != ffi::DataType::F8E4M3FN && w.element_type() != ffi::DataType::U8)
-    return invalid(std::string(op) + ": w dtype must be float8_e4m3fn (or its uint8 bits), got " +
-                   dtype_str(w.element_type()));
-  if (scale.element_type() != ffi::DataType::F32)
-    return invalid(std::string(op) + ": scale dtype must be float32, got " +
-                   dtype_str(scale.element_type()));
   Fp8Matrix mat;
-  if (auto e = matrix_dims(op, "w", w, mat.n, mat.k); e.failure()) return e;
-  mat.block_n = block_n;
-  mat.block_k = block_k;
-  if (auto msg = check_fp8(mat); !msg.empty()) return invalid(std::string(op) + ": " + msg);
-  int64_t snb = 0, skb = 0;
-  if (auto e = matrix_dims(op, "scale", scale, snb, skb); e.failure()) return e;
-  const int64_t enb = (mat.n + block_n - 1) / block_n, ekb = (mat.k + block_k - 1) / block_k;
-  if (snb != enb || skb != ekb)
-    return invalid(std::string(op) + ": scale grid " + dims_str(scale) + " does not match w " +
-                   dims_str(w) + " with blocks " + std::to_string(block_n) + "x" +
-                   std::to_string(block_k) + ": expected [" + std::to_string(enb) + ", " +
-                   std::to_string(ekb) + "]");
-  mat.w = static_cast<const uint8_t*>(w.untyped_data());
-  mat.scale = static_cast<const float*>(scale.untyped_data());
-  const Isa isa = requested_isa(max_isa);
-  Activations a;
-  if (auto e = pack_activations(op, isa, WeightFormat::kFp8, x, mat.k, a); e.failure()) return e;
-  if (y->element_count() != static_cast<size_t>(a.m * mat.n) ||
-      y->element_type() != ffi::DataType::F32)
-    return invalid(std::string(op) + ": result must be float32 with M*N elements, got shape " +
-                   dims_str(*y));
-  float* out = static_cast<float*>(y->untyped_data());
-  run_rows(mat.n, mat.k, num_threads, [&](int64_t n0, int64_t n1) {
-    fp8_gemm_rows(isa, a.packed.data(), a.m, mat, n0, n1, out, mat.n);
-  });
-  return ffi::Error::Success();
+  int64_t h = 0;
+  if (auto e = fp8_operands(op, false, w, scale, block_n, block_k, mat, h); e.failure())
+    return e;
+  return run_gemm(op, WeightFormat::kFp8, mat, mat.k, fp8_gemm_rows, x, y, max_isa,
+                  num_threads);
 }
 
 ffi::Error Int4GemmImpl(ffi::AnyBuffer x, ffi::AnyBuffer q, ffi::AnyBuffer scale,
@@ -177,32 +225,22 @@ ffi::Error Int4GemmImpl(ffi::AnyBuffer x, ffi::AnyBuffer q, ffi::AnyBuffer scale
   if (scale.element_type() != ffi::DataType::BF16 && scale.element_type() != ffi::DataType::U16)
     return invalid(std::string(op) + ": scale dtype must be bfloat16, got " +
                    dtype_str(scale.element_type()));
+  int64_t qd[2], sd[2];  // [N, K/2], [N, K/group]
+  if (auto e = trailing_dims(op, "q", q, 2, qd); e.failure()) return e;
+  if (auto e = trailing_dims(op, "scale", scale, 2, sd); e.failure()) return e;
   Int4Matrix mat;
-  int64_t half_k = 0, sn = 0, sg = 0;
-  if (auto e = matrix_dims(op, "q", q, mat.n, half_k); e.failure()) return e;
-  if (auto e = matrix_dims(op, "scale", scale, sn, sg); e.failure()) return e;
-  mat.k = 2 * half_k;
-  if (sn != mat.n || sg <= 0 || mat.k % sg != 0)
+  mat.n = qd[0];
+  mat.k = 2 * qd[1];
+  if (sd[0] != mat.n || sd[1] <= 0 || mat.k % sd[1] != 0)
     return invalid(std::string(op) + ": scale shape " + dims_str(scale) + " does not match q " +
                    dims_str(q) + ": expected [" + std::to_string(mat.n) +
                    ", K/group] with K=" + std::to_string(mat.k));
-  mat.group = mat.k / sg;
+  mat.group = mat.k / sd[1];
   if (auto msg = check_int4(mat); !msg.empty()) return invalid(std::string(op) + ": " + msg);
   mat.q = static_cast<const uint8_t*>(q.untyped_data());
   mat.scale = static_cast<const uint16_t*>(scale.untyped_data());
-  const Isa isa = requested_isa(max_isa);
-  Activations a;
-  if (auto e = pack_activations(op, isa, WeightFormat::kInt4, x, mat.k, a); e.failure())
-    return e;
-  if (y->element_count() != static_cast<size_t>(a.m * mat.n) ||
-      y->element_type() != ffi::DataType::F32)
-    return invalid(std::string(op) + ": result must be float32 with M*N elements, got shape " +
-                   dims_str(*y));
-  float* out = static_cast<float*>(y->untyped_data());
-  run_rows(mat.n, mat.k / 2, num_threads, [&](int64_t n0, int64_t n1) {
-    int4_gemm_rows(isa, a.packed.data(), a.m, mat, n0, n1, out, mat.n);
-  });
-  return ffi::Error::Success();
+  return run_gemm(op, WeightFormat::kInt4, mat, mat.k / 2, int4_gemm_rows, x, y, max_isa,
+                  num_threads);
 }
 
 ffi::Error Bf16GemmImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
@@ -211,40 +249,15 @@ ffi::Error Bf16GemmImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::Any
   if (w.element_type() != ffi::DataType::BF16 && w.element_type() != ffi::DataType::U16)
     return invalid(std::string(op) + ": w dtype must be bfloat16 (or its uint16 bits), got " +
                    dtype_str(w.element_type()));
+  int64_t wd[2];
+  if (auto e = trailing_dims(op, "w", w, 2, wd); e.failure()) return e;
   Bf16Matrix mat;
-  if (auto e = matrix_dims(op, "w", w, mat.n, mat.k); e.failure()) return e;
+  mat.n = wd[0];
+  mat.k = wd[1];
   if (auto msg = check_bf16(mat); !msg.empty()) return invalid(std::string(op) + ": " + msg);
   mat.w = static_cast<const uint16_t*>(w.untyped_data());
-  const Isa isa = requested_isa(max_isa);
-  Activations a;
-  if (auto e = pack_activations(op, isa, WeightFormat::kBf16, x, mat.k, a); e.failure())
-    return e;
-  if (y->element_count() != static_cast<size_t>(a.m * mat.n) ||
-      y->element_type() != ffi::DataType::F32)
-    return invalid(std::string(op) + ": result must be float32 with M*N elements, got shape " +
-                   dims_str(*y));
-  float* out = static_cast<float*>(y->untyped_data());
-  run_rows(mat.n, 2 * mat.k, num_threads, [&](int64_t n0, int64_t n1) {
-    bf16_gemm_rows(isa, a.packed.data(), a.m, mat, n0, n1, out, mat.n);
-  });
-  return ffi::Error::Success();
-}
-
-// The last three dims of a stacked per-head operand [1.., H, rows, cols].
-ffi::Error stack_dims(const char* op, const char* name, ffi::AnyBuffer b, int64_t& heads,
-                      int64_t& rows, int64_t& cols) {
-  auto d = b.dimensions();
-  if (d.size() < 3)
-    return invalid(std::string(op) + ": " + name + " must have rank >= 3 ([H, ., .]), got shape " +
-                   dims_str(b));
-  for (size_t i = 0; i + 3 < d.size(); ++i)
-    if (d[i] != 1)
-      return invalid(std::string(op) + ": " + name +
-                     " leading dims must be 1 (one head stack per call), got shape " + dims_str(b));
-  heads = d[d.size() - 3];
-  rows = d[d.size() - 2];
-  cols = d[d.size() - 1];
-  return ffi::Error::Success();
+  return run_gemm(op, WeightFormat::kBf16, mat, 2 * mat.k, bf16_gemm_rows, x, y, max_isa,
+                  num_threads);
 }
 
 // y[b, h, :] = W[h] x[b, h, :] for H independent FP8 matrices W[h] [N, K]: each head is an
@@ -255,63 +268,34 @@ ffi::Error Fp8BmvImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale,
                       ffi::Result<ffi::AnyBuffer> y, int64_t max_isa, int64_t num_threads,
                       int64_t block_n, int64_t block_k) {
   const char* op = "hmoe_fp8_bmv";
-  if (w.element_type() != ffi::DataType::F8E4M3FN && w.element_type() != ffi::DataType::U8)
-    return invalid(std::string(op) + ": w dtype must be float8_e4m3fn (or its uint8 bits), got " +
-                   dtype_str(w.element_type()));
-  if (scale.element_type() != ffi::DataType::F32)
-    return invalid(std::string(op) + ": scale dtype must be float32, got " +
-                   dtype_str(scale.element_type()));
   int64_t h = 0;
   Fp8Matrix head;
-  if (auto e = stack_dims(op, "w", w, h, head.n, head.k); e.failure()) return e;
-  if (h <= 0)
-    return invalid(std::string(op) + ": w must have H >= 1 heads, got shape " + dims_str(w));
-  head.block_n = block_n;
-  head.block_k = block_k;
-  if (auto msg = check_fp8(head); !msg.empty()) return invalid(std::string(op) + ": " + msg);
-  int64_t sh = 0, snb = 0, skb = 0;
-  if (auto e = stack_dims(op, "scale", scale, sh, snb, skb); e.failure()) return e;
-  const int64_t enb = (head.n + block_n - 1) / block_n, ekb = (head.k + block_k - 1) / block_k;
-  if (sh != h || snb != enb || skb != ekb)
-    return invalid(std::string(op) + ": scale grid " + dims_str(scale) + " does not match w " +
-                   dims_str(w) + " with blocks " + std::to_string(block_n) + "x" +
-                   std::to_string(block_k) + ": expected [" + std::to_string(h) + ", " +
-                   std::to_string(enb) + ", " + std::to_string(ekb) + "]");
+  if (auto e = fp8_operands(op, true, w, scale, block_n, block_k, head, h); e.failure())
+    return e;
   auto xd = x.dimensions();
   if (xd.size() < 2 || xd[xd.size() - 1] != head.k || xd[xd.size() - 2] != h)
     return invalid(std::string(op) + ": x shape " + dims_str(x) + " must end in [H, K]=[" +
                    std::to_string(h) + ", " + std::to_string(head.k) +
                    "] (the weight's heads, input dim)");
-  const auto xt = x.element_type();
-  if (xt != ffi::DataType::F32 && xt != ffi::DataType::BF16)
-    return invalid(std::string(op) + ": x dtype must be float32 or bfloat16, got " + dtype_str(xt));
+  if (auto e = check_x_dtype(op, x); e.failure()) return e;
   int64_t b = 1;
   for (size_t i = 0; i + 2 < xd.size(); ++i) b *= xd[i];
-  if (y->element_count() != static_cast<size_t>(b * h * head.n) ||
-      y->element_type() != ffi::DataType::F32)
-    return invalid(std::string(op) + ": result must be float32 with B*H*N elements, got shape " +
-                   dims_str(*y));
+  if (auto e = check_result(op, y, b * h * head.n, "B*H*N"); e.failure()) return e;
   const Isa isa = requested_isa(max_isa);
   // Packed x per head: xp[h] is [b, ks] (head h's rows of x, stride H*K in x).
   const int64_t ks = packed_x_stride(head.k);
   std::vector<uint16_t> xp(std::max<int64_t>(1, h * b * ks));
-  for (int64_t j = 0; j < h; ++j) {
-    if (xt == ffi::DataType::F32)
-      pack_x_f32(isa, WeightFormat::kFp8, static_cast<const float*>(x.untyped_data()) + j * head.k,
-                 b, h * head.k, head.k, xp.data() + j * b * ks);
-    else
-      pack_x_bf16(isa, WeightFormat::kFp8,
-                  static_cast<const uint16_t*>(x.untyped_data()) + j * head.k, b, h * head.k,
-                  head.k, xp.data() + j * b * ks);
-  }
-  const auto* codes = static_cast<const uint8_t*>(w.untyped_data());
-  const auto* scales = static_cast<const float*>(scale.untyped_data());
+  for (int64_t j = 0; j < h; ++j)
+    pack_rows(isa, WeightFormat::kFp8, x, j * head.k, b, h * head.k, head.k,
+              xp.data() + j * b * ks);
+  const int64_t head_scales =
+      ((head.n + block_n - 1) / block_n) * ((head.k + block_k - 1) / block_k);
   float* out = static_cast<float*>(y->untyped_data());
   run_rows(h * head.n, head.k, num_threads, [&](int64_t g0, int64_t g1) {
     for (int64_t j = g0 / head.n; j * head.n < g1; ++j) {
       Fp8Matrix mj = head;
-      mj.w = codes + j * head.n * head.k;
-      mj.scale = scales + j * enb * ekb;
+      mj.w = head.w + j * head.n * head.k;
+      mj.scale = head.scale + j * head_scales;
       const int64_t n0 = std::max(g0 - j * head.n, int64_t{0});
       const int64_t n1 = std::min(g1 - j * head.n, head.n);
       fp8_gemm_rows(isa, xp.data() + j * b * ks, b, mj, n0, n1, out + j * head.n, h * head.n);
@@ -320,43 +304,35 @@ ffi::Error Fp8BmvImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale,
   return ffi::Error::Success();
 }
 
+// The ops' FFI signatures: x and the weight's kOperands - 1 buffers, one result, the
+// attrs max_isa and num_threads (gemm_binding), then block_n and block_k (fp8_binding).
+// (Bindings are neither copied nor moved from outside the chain: pass temporaries on.)
+template <int kOperands, typename B>
+auto bind_operands(B&& b) {
+  if constexpr (kOperands == 1)
+    return std::move(b).template Arg<ffi::AnyBuffer>();
+  else
+    return bind_operands<kOperands - 1>(std::move(b).template Arg<ffi::AnyBuffer>());
+}
+
+template <int kOperands>
+auto gemm_binding() {
+  return bind_operands<kOperands>(ffi::Ffi::Bind())
+      .template Ret<ffi::AnyBuffer>()
+      .template Attr<int64_t>("max_isa")
+      .template Attr<int64_t>("num_threads");
+}
+
+auto fp8_binding() {
+  return gemm_binding<3>().Attr<int64_t>("block_n").Attr<int64_t>("block_k");
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HmoeBf16Gemm, Bf16GemmImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("max_isa")
-                                  .Attr<int64_t>("num_threads"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HmoeFp8Bmv, Fp8BmvImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("max_isa")
-                                  .Attr<int64_t>("num_threads")
-                                  .Attr<int64_t>("block_n")
-                                  .Attr<int64_t>("block_k"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HmoeFp8Gemm, Fp8GemmImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("max_isa")
-                                  .Attr<int64_t>("num_threads")
-                                  .Attr<int64_t>("block_n")
-                                  .Attr<int64_t>("block_k"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HmoeInt4Gemm, Int4GemmImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("max_isa")
-                                  .Attr<int64_t>("num_threads"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HmoeFp8Gemm, Fp8GemmImpl, fp8_binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HmoeFp8Bmv, Fp8BmvImpl, fp8_binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HmoeInt4Gemm, Int4GemmImpl, gemm_binding<3>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HmoeBf16Gemm, Bf16GemmImpl, gemm_binding<2>());
 HMOE_FFI_TARGET("hmoe_fp8_gemm", HmoeFp8Gemm);
 HMOE_FFI_TARGET("hmoe_int4_gemm", HmoeInt4Gemm);
 HMOE_FFI_TARGET("hmoe_bf16_gemm", HmoeBf16Gemm);

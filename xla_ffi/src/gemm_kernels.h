@@ -90,12 +90,14 @@ void pack_x_bf16(Isa isa, WeightFormat fmt, const uint16_t* x, int64_t m, int64_
 
 // y[i, j - n0 + ...]: writes y[i * ldy + j] for i in [0, m), j in [n0, n1) — output
 // columns [n0, n1) for all m rows, on the calling thread. xp from pack_x_* (same isa).
-void fp8_gemm_rows(Isa isa, const uint16_t* xp, int64_t m, const Fp8Matrix& w, int64_t n0,
-                   int64_t n1, float* y, int64_t ldy);
-void int4_gemm_rows(Isa isa, const uint16_t* xp, int64_t m, const Int4Matrix& w, int64_t n0,
-                    int64_t n1, float* y, int64_t ldy);
-void bf16_gemm_rows(Isa isa, const uint16_t* xp, int64_t m, const Bf16Matrix& w, int64_t n0,
-                    int64_t n1, float* y, int64_t ldy);
+//   void fp8_gemm_rows(Isa isa, const uint16_t* xp, int64_t m, const Fp8Matrix& w,
+//                      int64_t n0, int64_t n1, float* y, int64_t ldy);
+template <typename Matrix>
+using GemmRowsFn = void(Isa isa, const uint16_t* xp, int64_t m, const Matrix& w, int64_t n0,
+                        int64_t n1, float* y, int64_t ldy);
+GemmRowsFn<Fp8Matrix> fp8_gemm_rows;
+GemmRowsFn<Int4Matrix> int4_gemm_rows;
+GemmRowsFn<Bf16Matrix> bf16_gemm_rows;
 
 // Empty when the matrix is valid, else a one-line message naming the field.
 std::string check_fp8(const Fp8Matrix& w);
@@ -109,24 +111,13 @@ float bf16_to_f32(uint16_t bits);
 
 // ---- per-ISA entry points (defined in gemm_portable.cc / gemm_avx2.cc / gemm_avx512.cc;
 // the dispatchers above pick one; call those, not these) ----
-void fp8_gemm_rows_portable(const uint16_t* xp, int64_t m, const Fp8Matrix& w, int64_t n0,
-                            int64_t n1, float* y, int64_t ldy);
-void fp8_gemm_rows_avx2(const uint16_t* xp, int64_t m, const Fp8Matrix& w, int64_t n0,
-                        int64_t n1, float* y, int64_t ldy);
-void fp8_gemm_rows_avx512(const uint16_t* xp, int64_t m, const Fp8Matrix& w, int64_t n0,
-                          int64_t n1, float* y, int64_t ldy);
-void int4_gemm_rows_portable(const uint16_t* xp, int64_t m, const Int4Matrix& w, int64_t n0,
-                             int64_t n1, float* y, int64_t ldy);
-void int4_gemm_rows_avx2(const uint16_t* xp, int64_t m, const Int4Matrix& w, int64_t n0,
-                         int64_t n1, float* y, int64_t ldy);
-void int4_gemm_rows_avx512(const uint16_t* xp, int64_t m, const Int4Matrix& w, int64_t n0,
+// The same without the Isa argument: e.g. fp8_gemm_rows_avx512(xp, m, w, n0, n1, y, ldy).
+template <typename Matrix>
+using IsaGemmRowsFn = void(const uint16_t* xp, int64_t m, const Matrix& w, int64_t n0,
                            int64_t n1, float* y, int64_t ldy);
-void bf16_gemm_rows_portable(const uint16_t* xp, int64_t m, const Bf16Matrix& w, int64_t n0,
-                             int64_t n1, float* y, int64_t ldy);
-void bf16_gemm_rows_avx2(const uint16_t* xp, int64_t m, const Bf16Matrix& w, int64_t n0,
-                         int64_t n1, float* y, int64_t ldy);
-void bf16_gemm_rows_avx512(const uint16_t* xp, int64_t m, const Bf16Matrix& w, int64_t n0,
-                           int64_t n1, float* y, int64_t ldy);
+IsaGemmRowsFn<Fp8Matrix> fp8_gemm_rows_portable, fp8_gemm_rows_avx2, fp8_gemm_rows_avx512;
+IsaGemmRowsFn<Int4Matrix> int4_gemm_rows_portable, int4_gemm_rows_avx2, int4_gemm_rows_avx512;
+IsaGemmRowsFn<Bf16Matrix> bf16_gemm_rows_portable, bf16_gemm_rows_avx2, bf16_gemm_rows_avx512;
 // pack_x_f32 / pack_x_bf16 for the AVX-512 layouts (exactly one of xf, xb non-null).
 void pack_x_avx512(WeightFormat fmt, const float* xf, const uint16_t* xb, int64_t m,
                    int64_t ldx, int64_t k, uint16_t* xp);

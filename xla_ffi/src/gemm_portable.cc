@@ -143,34 +143,38 @@ std::string check_bf16(const Bf16Matrix& w) {
   return "";
 }
 
-void fp8_gemm_rows(Isa isa, const uint16_t* xp, int64_t m, const Fp8Matrix& w, int64_t n0,
-                   int64_t n1, float* y, int64_t ldy) {
+namespace {
+
+template <typename Matrix>
+void dispatch_rows(IsaGemmRowsFn<Matrix>* portable, IsaGemmRowsFn<Matrix>* avx2,
+                   IsaGemmRowsFn<Matrix>* avx512, Isa isa, const uint16_t* xp, int64_t m,
+                   const Matrix& w, int64_t n0, int64_t n1, float* y, int64_t ldy) {
   switch (gemm_isa(isa)) {
     case Isa::kAvx512:
-    case Isa::kAmx: return fp8_gemm_rows_avx512(xp, m, w, n0, n1, y, ldy);
-    case Isa::kAvx2: return fp8_gemm_rows_avx2(xp, m, w, n0, n1, y, ldy);
-    case Isa::kPortable: return fp8_gemm_rows_portable(xp, m, w, n0, n1, y, ldy);
+    case Isa::kAmx: return avx512(xp, m, w, n0, n1, y, ldy);
+    case Isa::kAvx2: return avx2(xp, m, w, n0, n1, y, ldy);
+    case Isa::kPortable: return portable(xp, m, w, n0, n1, y, ldy);
   }
+}
+
+}  // namespace
+
+void fp8_gemm_rows(Isa isa, const uint16_t* xp, int64_t m, const Fp8Matrix& w, int64_t n0,
+                   int64_t n1, float* y, int64_t ldy) {
+  dispatch_rows(fp8_gemm_rows_portable, fp8_gemm_rows_avx2, fp8_gemm_rows_avx512, isa, xp, m,
+                w, n0, n1, y, ldy);
 }
 
 void int4_gemm_rows(Isa isa, const uint16_t* xp, int64_t m, const Int4Matrix& w, int64_t n0,
                     int64_t n1, float* y, int64_t ldy) {
-  switch (gemm_isa(isa)) {
-    case Isa::kAvx512:
-    case Isa::kAmx: return int4_gemm_rows_avx512(xp, m, w, n0, n1, y, ldy);
-    case Isa::kAvx2: return int4_gemm_rows_avx2(xp, m, w, n0, n1, y, ldy);
-    case Isa::kPortable: return int4_gemm_rows_portable(xp, m, w, n0, n1, y, ldy);
-  }
+  dispatch_rows(int4_gemm_rows_portable, int4_gemm_rows_avx2, int4_gemm_rows_avx512, isa, xp,
+                m, w, n0, n1, y, ldy);
 }
 
 void bf16_gemm_rows(Isa isa, const uint16_t* xp, int64_t m, const Bf16Matrix& w, int64_t n0,
                     int64_t n1, float* y, int64_t ldy) {
-  switch (gemm_isa(isa)) {
-    case Isa::kAvx512:
-    case Isa::kAmx: return bf16_gemm_rows_avx512(xp, m, w, n0, n1, y, ldy);
-    case Isa::kAvx2: return bf16_gemm_rows_avx2(xp, m, w, n0, n1, y, ldy);
-    case Isa::kPortable: return bf16_gemm_rows_portable(xp, m, w, n0, n1, y, ldy);
-  }
+  dispatch_rows(bf16_gemm_rows_portable, bf16_gemm_rows_avx2, bf16_gemm_rows_avx512, isa, xp,
+                m, w, n0, n1, y, ldy);
 }
 
 // Portable FP8: row by row; each decoded weight is reused for all m activation rows.
