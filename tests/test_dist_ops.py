@@ -75,8 +75,18 @@ def test_zigzag_layout_exhaustive(n):
 
 
 # 13 is a multiple of 2N for no N: padded and masked; 16 is one for every N here.
+# attn: the blocked attention's options; small blocks so several query and key blocks run
+# per chunk (k_block 6 divides no padded length: the gathered cache is padded to it).
+ATTN_OPTS = [
+    {},
+    {"form": "expanded", "q_block": 2, "k_block": 4},
+    {"form": "absorbed", "q_block": 3, "k_block": 6},
+]
+
+
+@pytest.mark.parametrize("attn", ATTN_OPTS)
 @pytest.mark.parametrize("n,t", [(1, 13), (2, 16), (2, 13), (4, 13)])
-def test_cp_attention_matches_attention_block(n, t):
+def test_cp_attention_matches_attention_block(n, t, attn):
     cfg = tiny_config()
     layer = jax.tree.map(jnp.asarray, random_params(cfg, seed=1, fp8=False).layers[0])
     b = 2
@@ -85,7 +95,7 @@ def test_cp_attention_matches_attention_block(n, t):
     h_zz = np.pad(h, ((0, 0), (0, lay.padded_len - t), (0, 0)))[:, lay.order]
     f = jax.jit(
         jax.shard_map(
-            lambda lp, x: cp_attention_block(lp, cfg, x, lay, axis=AXIS),
+            lambda lp, x: cp_attention_block(lp, cfg, x, lay, axis=AXIS, **attn),
             mesh=make_mesh(n),
             in_specs=(P(), P(None, AXIS)),
             out_specs=(P(None, AXIS), P(), P()),
@@ -127,9 +137,11 @@ def _moe_specs(moe: MoEParams) -> MoEParams:
     )
 
 
-def _run_moe(scheme, moe, cfg, x, n, capacity=None, expert_fn=experts_ref):
+def _run_moe(scheme, moe, cfg, x, n, capacity=None, expert_fn=experts_ref, local_block=1024):
     if scheme == "smallep":
-        body = lambda m, xs: smallep_moe(m, cfg, xs, axis=AXIS, n_ranks=n, expert_fn=expert_fn)
+        body = lambda m, xs: smallep_moe(
+            m, cfg, xs, axis=AXIS, n_ranks=n, expert_fn=expert_fn, local_block=local_block
+        )
         outs = (P(AXIS), P(AXIS))
     else:
         body = lambda m, xs: ep_moe(m, cfg, xs, axis=AXIS, n_ranks=n, capacity=capacity, expert_fn=expert_fn)
@@ -192,6 +204,22 @@ def test_moe_schemes_with_grouped_experts(scheme):
     ref = jax.jit(moe_block, static_argnames="cfg")(moe, cfg, jnp.asarray(x))
     fn = grouped_experts_fn(2)  # 4 local experts at N = 4: two chunks
     assert_close(_run_moe(scheme, moe, cfg, x, 4, expert_fn=fn)[0], ref, f"{scheme} grouped")
+
+
+@pytest.mark.parametrize("scheme", ["smallep", "ep"])
+@pytest.mark.parametrize("n", [2, 4])
+def test_moe_schemes_in_token_blocks(scheme, n):
+    """SmallEP in blocks of 5 local rows (T_l = 12 or 6: padded last block, gathers and
+    reduce-scatters per block) and grouped experts in blocks of 7 pairs' rows."""
+    cfg = tiny_config()
+    moe = jax.tree.map(jnp.asarray, random_params(cfg, seed=2, fp8=True).layers[-1].ffn)
+    x = np.random.default_rng(3).standard_normal((24, cfg.hidden_size)).astype(np.float32)
+    ref = jax.jit(moe_block, static_argnames="cfg")(moe, cfg, jnp.asarray(x))
+    fn = grouped_experts_fn(2, pair_block=7 * cfg.num_experts_per_tok)
+    outs = _run_moe(scheme, moe, cfg, x, n, expert_fn=fn, local_block=5)
+    assert_close(outs[0], ref, f"{scheme} N={n} blocked")
+    ref_ids, _ = route(moe, cfg, jnp.asarray(x))
+    assert (np.asarray(outs[1]) == np.asarray(ref_ids)).all()
 
 
 def test_ep_reports_dropped_pairs_when_capacity_is_short():

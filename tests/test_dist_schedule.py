@@ -43,7 +43,9 @@ def test_plan_streams_each_ranks_experts_through_reused_slots(name, n):
     for o in loads:
         r = o.args["rank"]
         assert o.resource == f"h2d:{r}"
-        rest = layer_rest_bytes(cfg, o.layer)
+        # rank 0 reuses the engine's resident non-expert weights: it streams only experts
+        rest = 0 if r == 0 else layer_rest_bytes(cfg, o.layer)
+        assert o.args["rest"] == ("resident" if r == 0 else "stream")
         if o.layer in moe_layers:
             assert o.args["experts"] == [r * el, (r + 1) * el]
             assert o.bytes == rest + el * costs.expert_bytes(cfg)
@@ -52,11 +54,15 @@ def test_plan_streams_each_ranks_experts_through_reused_slots(name, n):
         assert 0 in o.deps, "every load waits for dslp_embed (it creates the run state)"
         if o.layer in moe_layers:
             m = moe_layers.index(o.layer)
-            if m >= 2:  # the slot is refilled only after the MoE two layers back released it
-                (dep,) = [d for d in o.deps if d != 0]
-                freed = plan.ops[dep]
-                assert freed.kind == "dslp_unload" and freed.layer == moe_layers[m - 2]
-                assert freed.args["slot"] == o.args["slot"]
+            freed = [plan.ops[d] for d in o.deps if d != 0]
+            assert all(f.kind == "dslp_unload" and f.args["rank"] == r for f in freed)
+            # the slot is refilled only after the MoE two layers back released it; rank 0
+            # (resident weights + one layer of experts) also waits for the previous MoE layer
+            want = {moe_layers[m - 2]} if m >= 2 else set()
+            if r == 0 and m >= 1:
+                want.add(moe_layers[m - 1])
+            assert {f.layer for f in freed} == want
+            assert all(f.args["slot"] == o.args["slot"] for f in freed if f.layer == moe_layers[m - 2])
         else:
             assert o.args["experts"] is None and o.bytes == rest
     assert plan.meta["ring_slots"] == 2 * n
@@ -118,6 +124,11 @@ def test_engine_run_streams_each_ranks_experts_once(name):
             assert rec.bytes == sum(
                 int(np.asarray(x[r * el : (r + 1) * el]).nbytes) for x in jax.tree_util.tree_leaves(host)
             )
+    # rank 0 (the engine's accelerator 0) reuses the resident non-expert weights, rank 1 streams them
+    assert not [x for x in log if x.rank == 0 and x.what == "replicated"]
+    assert {x.layer for x in log if x.rank == 1 and x.what == "replicated"} >= set(
+        range(cfg.num_hidden_layers)
+    )
     every_expert_byte = len(moe_layers) * cfg.n_routed_experts * costs.expert_bytes(cfg)
     assert sum(run.streamed_bytes.values()) == every_expert_byte
     tracks = {s["resource"] for s in trace.slices}

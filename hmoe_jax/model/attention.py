@@ -170,11 +170,9 @@ def _flash(
         pv = _dot("qhk,khd->qhd", pr, v, prec) if v.shape[1] == h else _dot("qhk,kd->qhd", pr, v[:, 0], prec)
         return m_new, l_sum, acc * corr[..., None] + pv
 
-    init = (
-        jnp.full((bq, h), -jnp.inf, jnp.float32),
-        jnp.zeros((bq, h), jnp.float32),
-        jnp.zeros((bq, h, out_dim), jnp.float32),
-    )
+    # Built from the queries so the carry has their type (under shard_map: varying over ranks).
+    zero = jnp.zeros_like(q_score[..., 0], dtype=jnp.float32)  # [Bq, H]
+    init = (zero - jnp.inf, zero, jnp.zeros((bq, h, out_dim), jnp.float32) + zero[..., None])
     _, l_sum, acc = lax.fori_loop(0, n_kb, body, init)
     return acc / l_sum[..., None]
 
@@ -195,6 +193,39 @@ def prefill_attention(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """x [T, D] (input-normed) of one sequence at positions start.. in cache row `row`;
     cache_lat [N, S, R], cache_rope [N, S, dr] -> (out [T, D] act dtype, caches)."""
+    t = x.shape[0]
+    row, start = jnp.asarray(row, jnp.int32), jnp.asarray(start, jnp.int32)
+    x = x.astype(prec.act_dtype)
+    latent, k_rope = _project_kv(p, cfg, prec, x, start + jnp.arange(t, dtype=jnp.int32))
+    cache_lat = _write_span(cache_lat, row, start, latent)
+    cache_rope = _write_span(cache_rope, row, start, k_rope)
+    out = attend_blocks(
+        p, cfg, x, cache_lat, cache_rope, row, start, prec=prec, form=form, q_block=q_block, k_block=k_block
+    )
+    return out, cache_lat, cache_rope
+
+
+def attend_blocks(
+    p: MLAParams,
+    cfg: ModelConfig,
+    x: jax.Array,
+    cache_lat: jax.Array,
+    cache_rope: jax.Array,
+    row: jax.Array,
+    start: jax.Array,
+    *,
+    prec: Precision = F32,
+    form: str = "auto",
+    q_block: int = 1024,
+    k_block: int = 512,
+) -> jax.Array:
+    """The blocked attention of prefill_attention over a cache that already holds the keys:
+    x [T, D] (input-normed) at positions start..start+T-1 attends to slots 0..(its position)
+    of cache row `row` (cache_lat [N, S, R], cache_rope [N, S, dr]) -> out [T, D] act dtype
+    (after o_proj). Query blocks of q_block (projections inside the block), key blocks of
+    key_block(k_block, S) up to each query block's last position (clipped to the cache);
+    slots past a query's position are masked, so a cache padded past the real tokens is fine.
+    parallel/attention.py calls it for each rank's query chunks over the gathered cache."""
     t, d = x.shape
     s_len = cache_lat.shape[1]
     h, dn, dv, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
@@ -203,10 +234,6 @@ def prefill_attention(
     bk = key_block(k_block, s_len)
     row, start = jnp.asarray(row, jnp.int32), jnp.asarray(start, jnp.int32)
     x = x.astype(prec.act_dtype)
-
-    latent, k_rope = _project_kv(p, cfg, prec, x, start + jnp.arange(t, dtype=jnp.int32))
-    cache_lat = _write_span(cache_lat, row, start, latent)
-    cache_rope = _write_span(cache_rope, row, start, k_rope)
 
     def key_slices(kb):
         lat = lax.dynamic_slice(cache_lat, (row, kb * bk, 0), (1, bk, r))[0]
@@ -239,7 +266,7 @@ def prefill_attention(
         return _lin(o.astype(prec.act_dtype).reshape(bq, h * dv), p.o, prec)
 
     out = lax.map(q_block_out, (jnp.arange(n_qb, dtype=jnp.int32), xs)).reshape(n_qb * bq, d)[:t]
-    return out.astype(prec.act_dtype), cache_lat, cache_rope
+    return out.astype(prec.act_dtype)
 
 
 def decode_attention(

@@ -16,15 +16,18 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from hmoe_jax.config import ModelConfig
 from hmoe_jax.model.layers import dense_weight, swiglu
 from hmoe_jax.model.moe import ExpertFn, experts_ref, route
 from hmoe_jax.model.params import MoEParams
+from hmoe_jax.quant.fp8 import FP8_DTYPE
 
 
 def _local_experts(cfg: ModelConfig, n_ranks: int) -> int:
@@ -40,6 +43,26 @@ def _shared(moe: MoEParams, x: jax.Array) -> jax.Array:
     return jnp.zeros_like(x) if moe.shared is None else swiglu(moe.shared, x)
 
 
+# SmallEP works on blocks of this many local tokens per rank (N times as many gathered):
+# the gathered rows, routing, the ExpertFn's pairs and the partials exist for one block.
+SMALLEP_LOCAL_BLOCK = 1024
+
+
+def map_rows(f, x: jax.Array, block: int, *extra: jax.Array):
+    """f applied to blocks of `block` rows of x [T, ...] (and of each extra [T, ...]) with
+    lax.map, the last block zero-padded; -> f's outputs [T, ...] (leading axis concatenated).
+    One call when T <= block. For row-wise f the result equals f(x, *extra)."""
+    t = x.shape[0]
+    if t <= block:
+        return f(x, *extra)
+    nb = -(-t // block)
+    pad = lambda a: jnp.pad(a, ((0, nb * block - t),) + ((0, 0),) * (a.ndim - 1)).reshape(
+        nb, block, *a.shape[1:]
+    )
+    out = lax.map(lambda args: f(*args), tuple(pad(a) for a in (x, *extra)))
+    return jax.tree_util.tree_map(lambda o: o.reshape(nb * block, *o.shape[2:])[:t], out)
+
+
 def smallep_moe(
     moe: MoEParams,
     cfg: ModelConfig,
@@ -48,19 +71,33 @@ def smallep_moe(
     axis: str,
     n_ranks: int,
     expert_fn: ExpertFn = experts_ref,
+    local_block: int = SMALLEP_LOCAL_BLOCK,
 ) -> tuple[jax.Array, jax.Array]:
     """SmallEP: all-gather the unsorted hidden states, repeat gating for all tokens, compute
     the local experts, one weighted partial per token, reduce-scatter the partials back to
     the sequence owners. The shared expert runs on the owners.
-    x_local [T_l, D] -> (out [T_l, D], ids of the local tokens [T_l, k] for accounting)"""
+    x_local [T_l, D] -> (out [T_l, D], ids of the local tokens [T_l, k] for accounting)
+
+    Memory-bounded: in blocks of `local_block` local rows (lax.map): each rank contributes
+    rows [j b, (j+1) b) of its shard to gathered block j ([N b, D], ranks' rows in rank
+    order), every rank routes the block and computes its experts' partials [N b, D], and
+    the reduce-scatter hands each rank the sums of its own b rows. The same pairs, the same
+    per-token sums, and the same total bytes moved as one gather of everything; no [T, D]
+    tensor exists (padding rows of the last block are zeros, dropped)."""
     el = _local_experts(cfg, n_ranks)
-    x_all = lax.all_gather(x_local, axis, tiled=True)  # [T, D], the ranks' shards in rank order
-    ids, w = route(moe, cfg, x_all)  # [T, k]: every rank routes every token (cheap, duplicated)
-    local = ids - lax.axis_index(axis) * el
-    mine = (local >= 0) & (local < el)
-    partial = expert_fn(x_all, jnp.where(mine, local, 0), jnp.where(mine, w, 0.0), moe.experts)  # [T, D]
-    routed = lax.psum_scatter(partial, axis, scatter_dimension=0, tiled=True)  # [T_l, D]
-    own_ids = lax.dynamic_slice_in_dim(ids, lax.axis_index(axis) * x_local.shape[0], x_local.shape[0])
+    rank = lax.axis_index(axis)
+
+    def block(xb: jax.Array) -> tuple[jax.Array, jax.Array]:
+        b = xb.shape[0]
+        x_all = lax.all_gather(xb, axis, tiled=True)  # [N b, D], the ranks' rows in rank order
+        ids, w = route(moe, cfg, x_all)  # [N b, k]: every rank routes every token (cheap, duplicated)
+        local = ids - rank * el
+        mine = (local >= 0) & (local < el)
+        partial = expert_fn(x_all, jnp.where(mine, local, 0), jnp.where(mine, w, 0.0), moe.experts)
+        routed = lax.psum_scatter(partial, axis, scatter_dimension=0, tiled=True)  # [b, D]
+        return routed, lax.dynamic_slice_in_dim(ids, rank * b, b)
+
+    routed, own_ids = map_rows(block, x_local, max(1, int(local_block)))
     return routed + _shared(moe, x_local), own_ids
 
 
@@ -79,7 +116,11 @@ def ep_moe(
     compute, all_to_all the results back, weighted sum on the owner.
 
     capacity: pair slots per (source, destination); None gives T_l k, which no routing can
-    overflow (exactness over buffer size). Returns (out [T_l, D], ids [T_l, k], pairs dropped on all
+    overflow (exactness over buffer size). Memory: the dispatch buffers are not blocked:
+    send/recv/result/return buffers of N capacity rows x D each (x dtype / f32) and the
+    [T_l k, D] gathered results, i.e. ~5 N T_l k D 4 bytes at the default capacity (32K
+    DeepSeek-V3 tokens on 2 ranks: 7.5 GB per buffer); the ExpertFn's own pair buffers are
+    blocked by grouped_experts_fn's pair_block. Returns (out [T_l, D], ids [T_l, k], pairs dropped on all
     ranks [] int32): the caller must treat dropped > 0 as an error."""
     el = _local_experts(cfg, n_ranks)
     t_l, d = x_local.shape
@@ -137,33 +178,72 @@ def experts_grouped(x: jax.Array, ids: jax.Array, weights: jax.Array, experts) -
     return jnp.zeros((t, x.shape[1]), jnp.float32).at[tok].add(y * w_sorted[:, None])
 
 
+def _as_bytes(a: jax.Array) -> jax.Array:
+    return lax.bitcast_convert_type(a, jnp.uint8) if a.dtype == FP8_DTYPE else a
+
+
+def _from_bytes(a: jax.Array) -> jax.Array:
+    return lax.bitcast_convert_type(a, FP8_DTYPE) if a.dtype == jnp.uint8 else a
+
+
+def expert_bytes_view(experts: Any) -> Any:
+    """Host experts with FP8 weights viewed as uint8 (numpy views, no copy): the form the
+    executor hands a bytes-taking ExpertFn (`takes_fp8_bytes`), so that no FP8 stack is
+    widened or bitcast-copied inside the computation (XLA:CPU materialises both)."""
+    return jax.tree_util.tree_map(
+        lambda a: a.view(np.uint8) if np.dtype(a.dtype) == np.dtype(FP8_DTYPE) else a, experts
+    )
+
+
+def experts_from_bytes(experts: Any) -> Any:
+    """The inverse of expert_bytes_view inside a computation (for an ExpertFn that takes FP8)."""
+    return jax.tree_util.tree_map(_from_bytes, experts)
+
+
 @functools.cache
-def grouped_experts_fn(experts_per_chunk: int = 8) -> ExpertFn:
+def grouped_experts_fn(experts_per_chunk: int = 8, pair_block: int = 8192) -> ExpertFn:
     """experts_grouped over the local experts `experts_per_chunk` at a time (lax.scan), so
     only one chunk's FP8 weights are dequantized at any time: a rank's share of a
     DeepSeek-V3 layer (128 experts at N = 2) would be 22 GB in f32 at once, 1.4 GB per chunk
-    of 8. Cached: the same function object per chunk size (a static jit argument)."""
-    if experts_per_chunk < 1:
-        raise ValueError(f"grouped_experts_fn: experts_per_chunk={experts_per_chunk} must be >= 1")
+    of 8. Rows are processed in blocks of pair_block // k rows (lax.map; the chunk scan,
+    with its dequantisation, inside each block), so the sorted pair buffer [P, D], the
+    hidden [P, I] and the outputs exist for one block of <= pair_block pairs at a time.
+    Cached: the same function object per (chunk size, pair block) (a static jit argument)."""
+    if experts_per_chunk < 1 or pair_block < 1:
+        raise ValueError(
+            f"grouped_experts_fn: experts_per_chunk={experts_per_chunk} and pair_block={pair_block} must be >= 1"
+        )
 
-    def fn(x: jax.Array, ids: jax.Array, weights: jax.Array, experts) -> jax.Array:
+    def over_chunks(x: jax.Array, ids: jax.Array, weights: jax.Array, experts) -> jax.Array:
         e = jax.tree_util.tree_leaves(experts)[0].shape[0]
         g = math.gcd(e, experts_per_chunk)  # chunks must tile the local experts
-        chunks = jax.tree_util.tree_map(lambda a: a.reshape(e // g, g, *a.shape[1:]), experts)
 
         def chunk_out(c, chunk):
             local = ids - c * g
             mine = (local >= 0) & (local < g)
             return experts_grouped(x, jnp.where(mine, local, 0), jnp.where(mine, weights, 0.0), chunk)
 
-        # The first chunk outside the scan: its result has the carry's exact type (under
+        # Chunk c sliced in place from the stack inside a fori_loop (a scan over reshaped
+        # chunks copies all of them first; unrolled static slices keep every chunk's
+        # temporaries alive on XLA:CPU). FP8 leaves are sliced as bytes: XLA:CPU widens an FP8
+        # stack to f16 for a dynamic slice (2x the stack); a bitcast of the stack to bytes is
+        # a copy there too, so the executor passes FP8 leaves as uint8 (expert_bytes_view)
+        # and only each chunk is bitcast back.
+        raw = jax.tree_util.tree_map(_as_bytes, experts)
+        at = lambda c: jax.tree_util.tree_map(
+            lambda a: _from_bytes(lax.dynamic_slice_in_dim(a, c * g, g)), raw
+        )
+        # The first chunk outside the loop: its result has the carry's exact type (under
         # shard_map that includes whether it varies across ranks).
-        first = chunk_out(0, jax.tree_util.tree_map(lambda a: a[0], chunks))
+        first = chunk_out(0, jax.tree_util.tree_map(lambda a: _from_bytes(a[:g]), experts))
         if e // g == 1:
             return first
-        rest = jax.tree_util.tree_map(lambda a: a[1:], chunks)
-        body = lambda acc, xs: (acc + chunk_out(*xs), None)
-        return lax.scan(body, first, (jnp.arange(1, e // g), rest))[0]
+        return lax.fori_loop(1, e // g, lambda c, acc: acc + chunk_out(c, at(c)), first)
 
-    fn.__name__ = f"experts_grouped_x{experts_per_chunk}"
+    def fn(x: jax.Array, ids: jax.Array, weights: jax.Array, experts) -> jax.Array:
+        rows = max(1, pair_block // ids.shape[1])
+        return map_rows(lambda xb, ib, wb: over_chunks(xb, ib, wb, experts), x, rows, ids, weights)
+
+    fn.__name__ = f"experts_grouped_x{experts_per_chunk}_p{pair_block}"
+    fn.takes_fp8_bytes = True  # FP8 leaves may come as uint8 (expert_bytes_view)
     return fn

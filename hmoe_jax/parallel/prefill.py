@@ -34,7 +34,7 @@ from hmoe_jax.model.moe import ExpertFn
 from hmoe_jax.model.params import LayerParams, ModelParams, MoEParams
 from hmoe_jax.parallel.attention import cp_attention_block
 from hmoe_jax.parallel.mesh import AXIS
-from hmoe_jax.parallel.moe import ep_moe, grouped_experts_fn, smallep_moe
+from hmoe_jax.parallel.moe import ep_moe, experts_from_bytes, grouped_experts_fn, map_rows, smallep_moe
 from hmoe_jax.plan.dist import (
     ZigzagLayout,
     ep_comm,
@@ -42,7 +42,9 @@ from hmoe_jax.plan.dist import (
 )
 
 MOE_SCHEMES = ("smallep", "ep")
-DEFAULT_EXPERT_FN = grouped_experts_fn(8)  # grouped GEMMs, 8 local experts dequantized at a time
+# grouped GEMMs: 2 local experts dequantized at a time, in blocks of 8192 (token, expert) pairs
+DEFAULT_EXPERT_FN = grouped_experts_fn(2)
+DENSE_FFN_BLOCK = 2048  # tokens per block of the dense layers' FFN on a rank
 
 
 def split_layer(layer: LayerParams) -> tuple[LayerParams, Any]:
@@ -67,8 +69,11 @@ def _ffn_body(
     MoE layers also return (ids [B 2C, k], dropped [])."""
     x = rms_norm(h, layer.ffn_norm, cfg.rms_norm_eps)
     b, t, d = x.shape
-    if experts is None:
-        return h + swiglu(layer.ffn, x)
+    if experts is None:  # row-wise: in token blocks, so [rows, intermediate] exists per block only
+        out = map_rows(lambda xb: swiglu(layer.ffn, xb), x.reshape(b * t, d), DENSE_FFN_BLOCK)
+        return h + out.reshape(b, t, d)
+    if not getattr(expert_fn, "takes_fp8_bytes", False):
+        experts = experts_from_bytes(experts)  # FP8 leaves passed as uint8 (expert_bytes_view)
     moe = dataclasses.replace(layer.ffn, experts=experts)
     xf = x.reshape(b * t, d)
     if scheme == "smallep":

@@ -10,7 +10,7 @@ arithmetic from the config (no jax): schedules refuse a plan whose budget does n
   (w_uk [H, dn, R] + w_uv [H, dv, R] in bf16 per layer).
 - ring_bytes: slp's device-side ring, ring_slots x plan.costs.slot_bytes (the GPU
   "inplace" device ring preallocates every slot); dslp: what a rank holds streamed at
-  once (see dslp_budget).
+  once (see dslp_budget: rank 0 one layer of experts, the others two layers + weights).
 - cache_bytes: the KV pool, rows x cache_len(max_len) x layers x cache_dim x cache dtype.
 - temp_bytes: the largest stage of one layer: the activations alive between pieces at
   that stage (h, x, the shared output, the f32 routed accumulator, routing) plus the
@@ -391,27 +391,34 @@ def cpu_budget(
 
 def dslp_rank_temps(cfg: ModelConfig, padded_tokens: int, ranks: int) -> dict[str, int]:
     """Estimated per-rank temporaries of the dslp stages as parallel/ computes them (f32
-    throughout). attention (parallel/attention.py): a rank's 2C tokens (C = T_pad / 2N)
-    projected in f32, the all-gathered latent cache [T_pad, 576] (gathered, permuted, and
-    returned), q_lat [2C, H, R], and per query chunk the DENSE chunk scores: two f32
-    [H, C, C] blocks (s and its exp) plus the [C, H, R] accumulator carried twice.
-    moe (SmallEP, parallel/moe.py grouped_experts_fn(8)): the all-gathered [T_pad, D],
-    routing of every token, and per chunk of 8 experts all T_pad k assignments gathered
-    [P, D], gate / up / product [P, I], output [P, D] (f32), the chunk's f32 weights.
-    dense: a SwiGLU on [2C, D] in f32 with f32 weights. final: lm_head dequantised to f32."""
-    d, h, r, cd = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.cache_dim
-    qk, dn, dv, i = cfg.qk_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.moe_intermediate_size
+    throughout). attention (parallel/attention.py -> model.attention.attend_blocks): the
+    rank's 2C tokens normed and their latents [2C, D + 576], the gathered latent cache
+    [T_pad, 576] (gathered, permuted, padded to the key block), the two chunks' outputs
+    [2C, D], and one (query block 1024, key block 512) pair's working set with the f32
+    attention weights (attention_temp at C tokens). moe (SmallEP in blocks of
+    SMALLEP_LOCAL_BLOCK local rows, parallel/moe.py; the default ExpertFn
+    grouped_experts_fn(2, 8192)): the normed local tokens, the routed and shared outputs
+    [T_l, D]; then the larger of: per block the gathered rows and partials [N b, D],
+    routing, and one block of <= 8192 pairs (rows [P, D], gate / up / product [P, I],
+    outputs [P, D]) with one chunk of 2 experts' f32 weights; the shared expert's SwiGLU on
+    [T_l, D] (it runs after the blocks, XLA reuses their buffers). dense: the SwiGLU in
+    blocks of DENSE_FFN_BLOCK tokens plus [2C, D] in and out. final: lm_head in f32."""
+    d, e, i, k = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+    cd = cfg.cache_dim
     c = padded_tokens // (2 * ranks)
     local = 2 * c
-    w_attn = 4 * (h * (dn + dv) * r + d * h * dv + cd * d)
-    w_attn += 4 * (d * h * qk if cfg.q_lora_rank is None else cfg.q_lora_rank * (d + h * qk))
-    attn = w_attn + local * (2 * d + h * qk + cd) * 4 + 3 * padded_tokens * cd * 4
-    attn += 2 * local * h * r * 4 + 2 * h * c * c * 4 + 2 * c * h * r * 4 + local * h * dv * 4
-    p = padded_tokens * cfg.num_experts_per_tok
-    moe = padded_tokens * d * 4 * 3 + 3 * padded_tokens * cfg.n_routed_experts * 4
-    moe += p * (2 * d + 3 * i) * 4 + 8 * 3 * i * d * 4
-    moe += ffn_temp(cfg, local, cfg.moe_intermediate_size * max(cfg.n_shared_experts, 1), 4)
-    dense = ffn_temp(cfg, local, cfg.intermediate_size, 4)
+    bk = min(512, padded_tokens)
+    slots = -(-padded_tokens // bk) * bk
+    # attention_temp counts one chunk's [C, D] in / out; the rank has two chunks
+    attn = attention_temp(cfg, c, cache_slots=slots, act=4, k_block=bk) + local * (d + cd) * 4
+    attn += 3 * padded_tokens * cd * 4
+    lb = min(1024, local)
+    rows = ranks * lb
+    pairs = min(rows * k, 8192)
+    block = 2 * rows * d * 4 + 3 * rows * e * 4 + pairs * (2 * d + 3 * i) * 4 + 2 * 3 * i * d * 4
+    shared = ffn_temp(cfg, local, i * max(cfg.n_shared_experts, 1), 4)  # runs after the blocks
+    moe = 2 * local * d * 4 + max(block, shared)
+    dense = ffn_temp(cfg, min(2048, local), cfg.intermediate_size, 4) + 2 * local * d * 4
     return {"attention": attn, "moe": moe, "dense_ffn": dense, "final": cfg.vocab_size * d * 4}
 
 
@@ -428,22 +435,24 @@ def dslp_budget(
     piece_temps: dict[str, int] | None = None,
     schedule: str = "dslp",
 ) -> MemoryBudget:
-    """dslp per rank; returns the rank with the highest peak. During the layers every rank
-    holds what its loader has streamed and not yet consumed: the dense layers' non-expert
-    weights (their loads wait for nothing but the embed, so they all land at the start)
-    and two MoE layers in flight (the ring's two layers of per-rank slots: rank r's share of
-    E/N experts plus the layer's non-expert weights). The final stage streams the replicated
-    lm_head (nothing else is in flight then). Rank 0 is also the engine's decode
-    accelerator: the resident non-expert weights (placed once, whatever the schedule) and
-    the KV pool live there."""
+    """dslp per rank; returns the rank with the highest peak (schedules/dslp.py's plan).
+    Rank 0 is the engine's decode accelerator: the resident non-expert weights (placed
+    once, whatever the schedule; dslp reuses them instead of streaming a replica: layers,
+    embedding, norm and lm_head) and the KV pool live there, and it holds ONE MoE layer of
+    its E/N experts at a time (its copy of layer i+1 waits for layer i's MoE). Every other
+    rank holds what its loader has streamed and not yet consumed: the dense layers'
+    non-expert weights (their loads wait for nothing but the embed, so they all land at the
+    start) and two MoE layers in flight (the ring's two layers of per-rank slots: E/N
+    experts plus the layer's non-expert weights); the final stage streams it the replicated
+    embedding-sized lm_head (nothing else is in flight then)."""
     rows, length = _pool(tokens, 0, kv_rows, max_len)
     el = cfg.n_routed_experts // ranks
     moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
     dense_layers = [i for i in range(cfg.num_hidden_layers) if not cfg.is_moe_layer(i)]
     rest = costs.rest_bytes_by_layer(cfg)
-    per_layer = max(rest[i] for i in moe_layers) + el * costs.expert_bytes(cfg) if moe_layers else 0
+    experts = el * costs.expert_bytes(cfg) if moe_layers else 0
+    per_layer = max(rest[i] for i in moe_layers) + experts if moe_layers else 0
     table = cfg.vocab_size * cfg.hidden_size * (2 if cfg.quant is not None else 4)
-    streamed = sum(rest[i] for i in dense_layers) + min(2, len(moe_layers)) * per_layer
     local = padded_tokens // ranks
     est = dslp_rank_temps(cfg, padded_tokens, ranks)
     hid = 2 * local * cfg.hidden_size * 4  # h in and out, f32
@@ -451,22 +460,31 @@ def dslp_budget(
     if dense_layers:
         stages["dense_ffn"] = ("dense_ffn", hid)
     temp, stage, measured = peak_temp(stages, est, piece_temps)
-    final = local * cfg.hidden_size * 4 + table + dict(piece_temps or {}).get("final", est["final"])
-    ring = streamed
-    if final > streamed + temp:
-        ring, temp, stage = 0, final, "final"
-    detail = f"in flight: {len(dense_layers)} dense layers + 2 MoE layers of {el} experts" if ring else ""
-    budgets = [
-        MemoryBudget(
+    final_temp = local * cfg.hidden_size * 4 + dict(piece_temps or {}).get("final", est["final"])
+
+    def budget(r: int) -> MemoryBudget:
+        if r == 0:
+            streamed, head = experts, 0
+            detail = (
+                f"in flight: 1 MoE layer of {el} experts; non-expert weights resident" if moe_layers else ""
+            )
+        else:
+            streamed = sum(rest[i] for i in dense_layers) + min(2, len(moe_layers)) * per_layer
+            head = table
+            detail = f"in flight: {len(dense_layers)} dense layers + 2 MoE layers of {el} experts"
+        ring, t, st = streamed, temp, stage
+        if final_temp + head > streamed + temp:
+            ring, t, st, detail = 0, final_temp + head, "final", ""
+        return MemoryBudget(
             schedule=schedule,
             tokens=tokens,
             acc_mem_bytes=system.acc_mem_bytes,
             resident_bytes=resident_bytes(cfg, precision) if r == 0 else 0,
             ring_bytes=ring,
             cache_bytes=cache_bytes(cfg, rows, length) if r == 0 else 0,
-            temp_bytes=temp,
+            temp_bytes=t,
             temp_measured=measured,
-            temp_stage=stage,
+            temp_stage=st,
             ring_slots=2 if moe_layers else 0,
             slot_bytes=costs.slot_bytes(cfg, el),
             kv_rows=rows,
@@ -475,9 +493,8 @@ def dslp_budget(
             ranks=ranks,
             detail=detail,
         )
-        for r in range(ranks)
-    ]
-    return max(budgets, key=lambda b: b.acc_peak_bytes)
+
+    return max((budget(r) for r in range(ranks)), key=lambda b: b.acc_peak_bytes)
 
 
 def gpu_mem_fraction(budget: MemoryBudget, system: SystemSpec, headroom: float = 0.05) -> float:

@@ -360,7 +360,11 @@ def probe_dslp_pieces(cfg: ModelConfig, tokens: int, ranks: int) -> dict[str, Pi
     first = placed(abstract_layer(cfg, (moe or dense)[0], F32_POLICY), P())
     out["attention"] = _probe("attention", attn_fn(mesh, cfg, lay), first, h)
     if moe:
-        experts = placed(abstract_experts(cfg, cfg.n_routed_experts), P(AXIS))
+        # FP8 leaves as the executor passes them (uint8 views, parallel.moe.expert_bytes_view)
+        as_bytes = lambda a: SDS(a.shape, jnp.uint8) if a.dtype == FP8_DTYPE else a
+        experts = placed(
+            jax.tree_util.tree_map(as_bytes, abstract_experts(cfg, cfg.n_routed_experts)), P(AXIS)
+        )
         f = ffn_fn(mesh, cfg, True, "smallep", DEFAULT_EXPERT_FN, None)
         out["moe"] = _probe("moe", f, first, experts, h)
     if dense:

@@ -5,7 +5,9 @@ Op kinds (resource in brackets; N ranks = the first N accelerators of the placem
 - dslp_embed  [acc:all]  tokens -> zig-zag-ordered hidden states sharded over the ranks
 - dslp_load   [h2d:r]    rank r's share of one layer: its experts [r E/N, (r+1) E/N)
                          through a ring slot (C++ copy threads, optional rate cap), then
-                         host -> rank r's device; plus the layer's non-expert weights
+                         host -> rank r's device; plus the layer's non-expert weights,
+                         except where args.rest == "resident" (rank 0: the engine placed
+                         them on accelerator 0 = mesh device 0 already; reused, not copied)
 - dslp_attn   [acc:all]  context-parallel MLA of the layer; writes its latent cache
 - dslp_ffn    [acc:all]  dense FFN on the sequence owners
 - dslp_moe    [acc:all]  SmallEP (or standard EP) MoE over the ranks
@@ -30,8 +32,9 @@ from jax.sharding import PartitionSpec as P
 
 from hmoe_jax.model.moe import ExpertFn, experts_ref
 from hmoe_jax.parallel.mesh import AXIS
-from hmoe_jax.parallel.moe import grouped_experts_fn
+from hmoe_jax.parallel.moe import expert_bytes_view
 from hmoe_jax.parallel.prefill import (
+    DEFAULT_EXPERT_FN,
     attn_fn,
     check_dropped,
     embed_fn,
@@ -60,9 +63,9 @@ class DslpState:
 
 
 ACC_EXPERTS = {
-    "grouped": grouped_experts_fn(8),
+    "grouped": DEFAULT_EXPERT_FN,
     "ref": experts_ref,
-}  # grouped: 8 experts dequantized at a time
+}  # grouped: a few experts dequantized at a time, in blocks of pairs (parallel/moe.py)
 
 
 def _state(run: Run) -> DslpState:
@@ -76,6 +79,36 @@ def _state(run: Run) -> DslpState:
 def _cache_writer(t: int):
     """pool layer [N, S_max, X] <- new[0, :t] at row `row` (natural-order rows of the real tokens)."""
     return jax.jit(lambda c, new, row: c.at[row, :t].set(new[0, :t].astype(c.dtype)), donate_argnums=0)
+
+
+def _resident_rank(run: Run, st: DslpState) -> int | None:
+    """The mesh rank whose device holds the engine's resident (decode) weights, or None."""
+    acc = run.weights.placement.acc
+    for r in st.streamer.local_ranks:
+        if st.streamer.device(r) == acc:
+            return r
+    return None
+
+
+def _replicated(run: Run, st: DslpState, layer: int, host_tree: Any, resident_tree: Any) -> Any:
+    """host_tree on every rank: the rank on the resident accelerator reuses resident_tree
+    (the same weights, already there: no copy, nothing logged), the others get a copy."""
+    r0 = _resident_rank(run, st)
+    same = r0 is not None and jax.tree_util.tree_structure(host_tree) == jax.tree_util.tree_structure(
+        resident_tree
+    )
+    pieces = {
+        r: resident_tree if (same and r == r0) else st.streamer.rank_copy(layer, r, host_tree, "replicated")
+        for r in st.streamer.local_ranks
+    }
+    return st.streamer.assemble_replicated(pieces)
+
+
+def _resident_layer(run: Run, i: int) -> Any:
+    """Layer i's non-expert weights as the engine placed them, without the absorbed copies
+    (w_uk / w_uv, which the f32 dslp bodies do not use): the host layer's tree."""
+    lp = split_layer(run.weights.acc.layers[i])[0]
+    return lp.replace(attn=lp.attn.replace(w_uk=None, w_uv=None))
 
 
 @register_op_kind("dslp_embed")
@@ -104,7 +137,7 @@ def _embed(run: Run, op: Op) -> list:
     )
     run.vals["dslp"] = st
     tok_zz = np.pad(run.tokens, ((0, 0), (0, layout.padded_len - t)))[:, layout.order].astype(np.int32)
-    table = st.streamer.replicated(-1, run.weights.host.embed)
+    table = _replicated(run, st, -1, run.weights.host.embed, run.weights.acc.embed)
     h = embed_fn(mesh)(table, jax.device_put(tok_zz, NamedSharding(mesh, P(None, AXIS))))
     run.vals["dslp_h"] = h
     return [h]
@@ -115,7 +148,9 @@ def _load(run: Run, op: Op) -> list:
     st = _state(run)
     i, r, slot = op.layer, int(op.args["rank"]), int(op.args.get("slot", -1))
     rest, experts = split_layer(run.weights.host.layers[i])
-    rest_dev = st.streamer.rank_copy(i, r, rest, "replicated")
+    resident = op.args.get("rest") == "resident" and r == _resident_rank(run, st)
+    if not resident:  # the resident rank's share is taken at dslp_attn (_layer_rest)
+        run.vals[("dslp_rest", i, r)] = st.streamer.rank_copy(i, r, rest, "replicated")
     exp_dev = None
     if experts is not None:
         lo, hi = op.args["experts"]
@@ -131,31 +166,46 @@ def _load(run: Run, op: Op) -> list:
         else:
             part = jax.tree_util.tree_map(lambda x: x[lo:hi], experts)
             n = sum(int(np.asarray(x).nbytes) for x in jax.tree_util.tree_leaves(part))
-        exp_dev = st.streamer.rank_copy(i, r, part, "experts", (lo, hi))
+        # FP8 as bytes (a numpy view): the grouped ExpertFn bitcasts one chunk at a time.
+        exp_dev = st.streamer.rank_copy(i, r, expert_bytes_view(part), "experts", (lo, hi))
         run.streamed_bytes[i] = run.streamed_bytes.get(i, 0) + n
-    run.vals[("dslp_w", i, r)] = (rest_dev, exp_dev)
-    return jax.tree_util.tree_leaves((rest_dev, exp_dev))
+        run.vals[("dslp_exp", i, r)] = exp_dev
+    return jax.tree_util.tree_leaves((run.vals.get(("dslp_rest", i, r)), exp_dev))
 
 
-def _layer_weights(run: Run, st: DslpState, i: int) -> tuple[Any, Any]:
+def _layer_rest(run: Run, st: DslpState, i: int) -> Any:
+    """Layer i's non-expert weights replicated over the mesh: the loads' copies, and on the
+    resident rank the engine's own (its load did not copy them)."""
     key = ("dslp_layer", i)
     if key not in run.vals:
-        ranks = st.streamer.local_ranks
-        pieces = {r: run.vals.pop(("dslp_w", i, r)) for r in ranks}
-        rest = st.streamer.assemble_replicated({r: p[0] for r, p in pieces.items()})
-        experts = None
-        if pieces[ranks[0]][1] is not None:
-            like = split_layer(run.weights.host.layers[i])[1]
-            experts = st.streamer.assemble_sharded({r: p[1] for r, p in pieces.items()}, like)
-        run.vals[key] = (rest, experts)
+        host = split_layer(run.weights.host.layers[i])[0]
+        r0 = _resident_rank(run, st)
+        pieces = {}
+        for r in st.streamer.local_ranks:
+            got = run.vals.pop(("dslp_rest", i, r), None)
+            if got is None and r == r0:
+                got = _resident_layer(run, i)
+                if jax.tree_util.tree_structure(got) != jax.tree_util.tree_structure(host):
+                    got = st.streamer.rank_copy(i, r, host, "replicated")
+            if got is None:
+                raise PlanError(f"dslp_attn of layer {i}: no non-expert weights loaded for rank {r}")
+            pieces[r] = got
+        run.vals[key] = st.streamer.assemble_replicated(pieces)
     return run.vals[key]
+
+
+def _layer_experts(run: Run, st: DslpState, i: int) -> Any:
+    """Layer i's routed experts sharded P(AXIS) from every rank's load."""
+    like = split_layer(run.weights.host.layers[i])[1]
+    pieces = {r: run.vals.pop(("dslp_exp", i, r)) for r in st.streamer.local_ranks}
+    return st.streamer.assemble_sharded(pieces, like)
 
 
 @register_op_kind("dslp_attn")
 def _attn(run: Run, op: Op) -> list:
     st = _state(run)
     i = op.layer
-    rest, _ = _layer_weights(run, st, i)
+    rest = _layer_rest(run, st, i)
     h, lat, rop = attn_fn(st.mesh, run.cfg, st.layout)(rest, run.vals["dslp_h"])
     t = run.tokens.shape[1]
     acc = run.weights.placement.acc
@@ -169,7 +219,9 @@ def _attn(run: Run, op: Op) -> list:
 @register_op_kind("dslp_ffn")
 def _ffn(run: Run, op: Op) -> list:
     st = _state(run)
-    rest, _ = run.vals.pop(("dslp_layer", op.layer))
+    rest = run.vals.pop(("dslp_layer", op.layer))
+    for r in st.streamer.local_ranks:
+        run.vals.pop(("dslp_exp", op.layer, r), None)
     h = ffn_fn(st.mesh, run.cfg, False, st.scheme, st.expert_fn, None)(rest, None, run.vals["dslp_h"])
     run.vals["dslp_h"] = h
     return [h]
@@ -179,7 +231,7 @@ def _ffn(run: Run, op: Op) -> list:
 def _moe(run: Run, op: Op) -> list:
     st = _state(run)
     i = op.layer
-    rest, experts = run.vals.pop(("dslp_layer", i))
+    rest, experts = run.vals.pop(("dslp_layer", i)), _layer_experts(run, st, i)
     f = ffn_fn(st.mesh, run.cfg, True, st.scheme, st.expert_fn, st.capacity)
     h, ids, dropped = f(rest, experts, run.vals["dslp_h"])
     check_dropped(dropped, i, st.capacity)
@@ -200,8 +252,12 @@ def _unload(run: Run, op: Op) -> list:
 @register_op_kind("dslp_final")
 def _final(run: Run, op: Op) -> list:
     st = _state(run)
-    norm, lm_head = st.streamer.replicated(
-        run.cfg.num_hidden_layers, (run.weights.host.norm, run.weights.host.lm_head)
+    norm, lm_head = _replicated(
+        run,
+        st,
+        run.cfg.num_hidden_layers,
+        (run.weights.host.norm, run.weights.host.lm_head),
+        (run.weights.acc.norm, run.weights.acc.lm_head),
     )
     h, lay = run.vals.pop("dslp_h"), st.layout
     t = run.tokens.shape[1]

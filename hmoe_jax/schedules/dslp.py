@@ -2,7 +2,8 @@
 
 Per layer: each rank r streams ITS share of the layer's routed experts ([r E/N, (r+1) E/N),
 FP8 as stored) through a slot of the staging ring (loader track h2d:r) plus the layer's
-non-expert weights; attention runs by context parallelism over the zig-zag split of the
+non-expert weights (rank 0 reuses the engine's resident ones and holds one layer of experts
+at a time); attention runs by context parallelism over the zig-zag split of the
 sequence (only the latent cache is all-gathered); the MoE by SmallEP (all-gather the
 unsorted hidden states, every rank routes every token, computes its local experts, one
 weighted partial per token, reduce-scatter back to the owners); dense layers and shared
@@ -100,32 +101,43 @@ class DslpSchedule(Schedule):
             tokens=[0, num_tokens],
         )
         slot_free: dict[int, int] = {}  # slot -> the unload that last freed it
+        rank0_free = None  # rank 0's unload of the previous MoE layer
         moe_layers = 0
         for layer in range(cfg.num_hidden_layers):
             moe = cfg.is_moe_layer(layer)
             loads = []
             for r in range(n):
                 slot = (moe_layers % 2) * n + r if (moe and staging == "ring") else -1
+                # Rank 0 is the engine's decode accelerator: the layer's non-expert weights are
+                # resident there (reused, not streamed), and it holds ONE layer of experts at
+                # a time (its copy of layer i+1 waits for layer i's MoE and overlaps layer
+                # i+1's attention); the other ranks stream everything, two layers in flight.
+                rest = "resident" if r == 0 else "stream"
+                deps = [embed, slot_free.get(slot)]  # embed creates the run state the loaders use
+                if r == 0 and moe:
+                    deps.append(rank0_free)
                 loads.append(
                     b.add(
                         "dslp_load",
                         f"h2d:{r}",
                         layer=layer,
-                        bytes=costs.layer_rest_bytes(cfg, layer)
+                        bytes=(costs.layer_rest_bytes(cfg, layer) if rest == "stream" else 0)
                         + (el * costs.expert_bytes(cfg) if moe else 0),
-                        deps=[embed, slot_free.get(slot)],  # embed creates the run state the loaders use
+                        deps=deps,
                         rank=r,
                         slot=slot,
+                        rest=rest,
                         experts=[r * el, (r + 1) * el] if moe else None,
                     )
                 )
             # Per rank: projections of its T/N tokens + its 2N+1 chunk pairs of causal attention.
+            # It needs the non-expert weights only: not rank 0's expert copy of an MoE layer.
             h = b.add(
                 "dslp_attn",
                 ACC,
                 layer=layer,
                 flops=costs.cp_attn_flops(cfg, t_pad, n),
-                deps=[h, *loads],
+                deps=[h, *(loads[1:] if moe else loads)],
                 comm=cp_attention_comm(n, t_pad, cfg.cache_dim).as_dict(),
             )
             if not moe:
@@ -148,7 +160,7 @@ class DslpSchedule(Schedule):
                 + costs.expert_flops(cfg, t_pad * k // n)
                 + costs.shared_flops(cfg, per_rank_tokens),
                 bytes=el * costs.expert_bytes(cfg),
-                deps=[h],
+                deps=[h, loads[0]],
                 scheme=self.moe_scheme,
                 comm=comm.as_dict(),
             )
@@ -158,6 +170,8 @@ class DslpSchedule(Schedule):
                 u = b.add("dslp_unload", f"unload:{r}", layer=layer, deps=[h], slot=s, rank=r)
                 if s >= 0:
                     slot_free[s] = u
+                if r == 0:
+                    rank0_free = u
             moe_layers += 1
         b.add(
             "dslp_final",
