@@ -105,7 +105,7 @@ void pack_rows(Isa isa, WeightFormat fmt, ffi::AnyBuffer x, int64_t offset, int6
 
 struct Activations {
   int64_t m = 0, k = 0;
-  std::vector<uint16_t> packed;  // [m, packed_x_stride(k)]
+  PackedX packed;  // [m, packed_x_stride(k)], 64-byte aligned
 };
 
 ffi::Error pack_activations(const char* op, Isa isa, WeightFormat fmt, ffi::AnyBuffer x,
@@ -284,7 +284,7 @@ ffi::Error Fp8BmvImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale,
   const Isa isa = requested_isa(max_isa);
   // Packed x per head: xp[h] is [b, ks] (head h's rows of x, stride H*K in x).
   const int64_t ks = packed_x_stride(head.k);
-  std::vector<uint16_t> xp(std::max<int64_t>(1, h * b * ks));
+  PackedX xp(std::max<int64_t>(1, h * b * ks));
   for (int64_t j = 0; j < h; ++j)
     pack_rows(isa, WeightFormat::kFp8, x, j * head.k, b, h * head.k, head.k,
               xp.data() + j * b * ks);

@@ -17,9 +17,9 @@ namespace {
 // the mutex because XLA may run two MoE calls concurrently.
 struct Scratch {
   std::mutex mu;
-  std::vector<uint16_t> x_tok;  // [M, Dp] packed bf16 tokens (Dp = packed_x_stride(D))
-  std::vector<uint16_t> x_pair;  // [P, Dp] packed rows, in sorted pair order
-  std::vector<uint16_t> h;  // [P, Ip] packed bf16 silu(gate) * up: the down projection's input
+  PackedX x_tok;  // [M, Dp] packed bf16 tokens (Dp = packed_x_stride(D)), 64-byte aligned
+  PackedX x_pair;  // [P, Dp] packed rows, in sorted pair order
+  PackedX h;  // [P, Ip] packed bf16 silu(gate) * up: the down projection's input
   std::vector<float> out;  // [P, D] f32 down projection per pair, before weighting
 };
 Scratch& scratch() {
@@ -27,8 +27,8 @@ Scratch& scratch() {
   return *s;
 }
 
-template <typename T>
-T* grow(std::vector<T>& v, size_t n) {
+template <typename T, typename A>
+T* grow(std::vector<T, A>& v, size_t n) {
   if (v.size() < n) v.resize(n);
   return v.data();
 }
