@@ -216,6 +216,18 @@ def ffn_temp(cfg: ModelConfig, tokens: int, inter: int, act: int = 2) -> int:
     return tokens * inter * (8 + act) + tokens * d * act + 3 * _dequant_bytes(cfg, inter, d, wb)
 
 
+# runtime/pieces.dense_ffn runs long prefills in token chunks of this many tokens
+FFN_CHUNK_TOKENS = 4096
+
+
+def dense_ffn_temp(cfg: ModelConfig, tokens: int, act: int = 2) -> int:
+    """pieces.dense_ffn: one chunk's SwiGLU, plus (when chunked) the padded input and the
+    stacked chunk outputs in the act dtype and the f32 residual sum, all [T, D]."""
+    chunk = min(tokens, FFN_CHUNK_TOKENS)
+    extra = tokens * cfg.hidden_size * (2 * act + 4) if tokens > FFN_CHUNK_TOKENS else 0
+    return ffn_temp(cfg, chunk, cfg.intermediate_size, act) + extra
+
+
 def experts_group_temp(cfg: ModelConfig, tokens: int, experts_per_slot: int = 1, act: int = 2) -> int:
     """pieces.experts_group at its worst-case bucket (a slot of G experts gets at most
     min(G, k) T rows): gathered rows [rows, D], gate / up f32 [rows, I], the product, the f32
@@ -239,7 +251,7 @@ def slp_piece_temps(
     d, e = cfg.hidden_size, cfg.n_routed_experts
     return {
         "attention": attention_temp(cfg, tokens, cache_slots=cache_slots, act=act, **(attn or {})),
-        "dense_ffn": ffn_temp(cfg, tokens, cfg.intermediate_size, act),
+        "dense_ffn": dense_ffn_temp(cfg, tokens, act),
         "route": tokens * d * 4 + 3 * tokens * e * 4,
         "shared": ffn_temp(cfg, tokens, cfg.moe_intermediate_size * max(cfg.n_shared_experts, 1), act),
         "experts_group": experts_group_temp(cfg, tokens, experts_per_slot, act),

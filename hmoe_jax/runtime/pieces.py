@@ -16,6 +16,7 @@ from hmoe_jax.model.layers import dense_weight, policy_linear, rms_norm, swiglu
 from hmoe_jax.model.moe import route
 from hmoe_jax.model.params import ExpertsParams, FFNParams, LayerParams, MLAParams, ModelParams
 from hmoe_jax.model.precision import F32, Precision
+from hmoe_jax.plan.memory import FFN_CHUNK_TOKENS
 
 jit_cfg = functools.partial(jax.jit, static_argnames=("cfg",))
 
@@ -96,9 +97,6 @@ def dense_ffn(layer: LayerParams, cfg: ModelConfig, h: jax.Array, prec: Precisio
     = 4.5 GiB for DeepSeek-V3 at 32K tokens) exist for one chunk at a time."""
     x = rms_norm(h, layer.ffn_norm, cfg.rms_norm_eps).astype(prec.act_dtype)
     return _residual(h, chunked_tokens(lambda xc: swiglu(layer.ffn, xc, prec), x), prec)
-
-
-FFN_CHUNK_TOKENS = 4096
 
 
 def chunked_tokens(fn, x: jax.Array, chunk: int = FFN_CHUNK_TOKENS) -> jax.Array:
