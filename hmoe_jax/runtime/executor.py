@@ -297,7 +297,7 @@ def _experts_acc(run: Run, op: Op) -> list:
         # E + 1 ints to the host (one small sync per layer) so each group runs on exactly
         # its rows, with a static bucketed shape.
         run.vals[key] = (token, wts, np.asarray(offsets))
-        run.vals[("routed", i, t0)] = jax.numpy.zeros(x.shape, jax.numpy.float32)  # f32 accumulator
+        run.vals[("routed", i, t0)] = jax.numpy.zeros_like(x, jax.numpy.float32)  # f32, on x's device
     x = run.vals[("route", i, t0)][0]
     token, wts, offsets = run.vals[key]
     lo, hi = op.args["experts"]
