@@ -108,7 +108,7 @@ class SeqState:
     pos: int  # cache position of the next token to feed (= prompt + generated - 1 after prefill)
     tokens: list[int] = dataclasses.field(default_factory=list)  # generated (a stop id included)
     done: bool = False
-    finish_reason: str | None = None  # "stop" | "length"
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled"
     schedule: str = ""
     ttft_s: float = 0.0
     prefill_s: float = 0.0
@@ -173,6 +173,7 @@ class Engine:
                 f"{self.max_len}-token row)"
             )
         self._pool: KVPool | None = None
+        self.last_run: X.Run | None = None  # the latest decode step's run (experiments read traced values)
 
     @property
     def devices(self) -> int:
@@ -290,7 +291,7 @@ class Engine:
             mode=self.decode_mode,
             trace=trace,
         )
-        self.last_run = run  # for inspection (experiments read traced runs' values)
+        self.last_run = run
         return run.logits[-1][:, -1]
 
     def decode_step(

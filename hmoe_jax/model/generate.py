@@ -20,7 +20,7 @@ from hmoe_jax.config import ModelConfig
 from hmoe_jax.model.model import forward, init_cache
 from hmoe_jax.model.moe import ExpertFn, experts_ref
 from hmoe_jax.model.params import ModelParams
-from hmoe_jax.plan.buckets import CACHE_BUCKET, cache_len  # noqa: F401  (re-exported for engine.engine)
+from hmoe_jax.plan.buckets import cache_len
 
 
 @dataclasses.dataclass
@@ -69,9 +69,6 @@ def check_prompt(cfg: ModelConfig, prompt_ids: Sequence[int], max_new_tokens: in
             f"exceeds the context max_position_embeddings={cfg.max_position_embeddings}"
         )
     return ids.astype(np.int32)
-
-
-_check_prompt = check_prompt  # the name hmoe_jax.engine.engine imports
 
 
 def generate(

@@ -15,7 +15,7 @@ Op kinds (resource in brackets; N ranks = the first N accelerators of the placem
 - dslp_final  [acc:all]  final norm + lm_head on the owners (last token or all)
 Collective ops span all ranks in lock-step, hence the one `acc:all` track; the per-rank
 copies have their own tracks. Results go where the engine's decode expects them: the
-latent cache into run.cache (LayerCache on the first accelerator), logits into
+latent cache into the sequence's row of run.cache (the KV pool on the first accelerator), logits into
 run.logits.
 """
 

@@ -18,9 +18,6 @@ from hmoe_jax.model.params import ExpertsParams, FFNParams, LayerParams, MLAPara
 from hmoe_jax.model.precision import F32, Precision
 from hmoe_jax.plan.memory import FFN_CHUNK_TOKENS
 
-jit_cfg = functools.partial(jax.jit, static_argnames=("cfg",))
-
-
 ATTN_STATIC = ("cfg", "prec", "kv_len", "form", "q_block", "k_block")
 
 
