@@ -238,6 +238,22 @@ def _staging_ring(run: Run, op: Op) -> StagingRing:
     return run.ring
 
 
+def _slot_group(run: Run, op: Op) -> tuple[int, int, int, Any, list]:
+    """(slot, lo, hi, the layer's host experts, the slot's field layout) of a stage/load op."""
+    lo, hi = op.args["experts"]
+    host = run.weights.host_experts[op.layer]
+    return int(op.args["slot"]), int(lo), int(hi), host, slot_layout(host, hi - lo)[0]
+
+
+def _fill(run: Run, op: Op) -> tuple[int, int, int, Any, list]:
+    """Queue the memcpy of the op's expert group into its host slot (C++ copy threads) and
+    count the streamed bytes; returns _slot_group's tuple."""
+    slot, lo, hi, host, fields = g = _slot_group(run, op)
+    n = _staging_ring(run, op).fill_experts(slot, host, lo, hi, fields)
+    run.streamed_bytes[op.layer] = run.streamed_bytes.get(op.layer, 0) + n
+    return g
+
+
 @register_op_kind("stage")
 def _stage(run: Run, op: Op) -> list:
     """Stager: queue the memcpy of a group from the host weight arena into its host slot and
@@ -245,14 +261,8 @@ def _stage(run: Run, op: Op) -> list:
     cap applies there), so the copy of group g+1 proceeds while group g's slot goes to the
     accelerator. Its deps (the unload of the slot's previous group) make the slot free; the
     ring refuses to fill a slot that is not."""
-    ring = _staging_ring(run, op)
-    lo, hi = op.args["experts"]
-    slot = int(op.args["slot"])
-    host = run.weights.host_experts[op.layer]
-    fields, _ = slot_layout(host, hi - lo)
-    n = ring.fill_experts(slot, host, lo, hi, fields)
+    slot, lo, hi, _, _ = _fill(run, op)
     run.vals[("staged", slot)] = (op.layer, lo, hi)
-    run.streamed_bytes[op.layer] = run.streamed_bytes.get(op.layer, 0) + n
     return []
 
 
@@ -263,14 +273,10 @@ def _load(run: Run, op: Op) -> list:
     ring's fixed device side (StagingRing.to_device: the slot itself on a stand-in, in-place
     writes into preallocated buffers on a GPU)."""
     ring = _staging_ring(run, op)
-    lo, hi = op.args["experts"]
-    slot = int(op.args["slot"])
-    host = run.weights.host_experts[op.layer]
-    fields, _ = slot_layout(host, hi - lo)
+    slot, lo, hi, host, fields = _slot_group(run, op)
     staged = run.vals.pop(("staged", slot), None)
     if staged is None:  # no stage op: fill here, then wait (copy and hand-off in sequence)
-        n = ring.fill_experts(slot, host, lo, hi, fields)
-        run.streamed_bytes[op.layer] = run.streamed_bytes.get(op.layer, 0) + n
+        _fill(run, op)
     elif staged != (op.layer, lo, hi):
         raise PlanError(
             f"op {op.id} (load) expects layer {op.layer} experts [{lo}, {hi}) in slot {slot}, staged: {staged}"
