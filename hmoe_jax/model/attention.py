@@ -101,28 +101,29 @@ def _dot(spec: str, a, b, prec: Precision):
     )
 
 
+def _head_matmul(p: MLAParams, cfg: ModelConfig, prec: Precision, x: jax.Array, which: str) -> jax.Array:
+    """One of kv_b's per-head halves applied to x [M, H, K] -> [M, H, N] f32. which "uk":
+    W_uk^T (K = dn, N = R); "uv": W_uv (K = R, N = dv). Weights as placement derived them
+    (state.absorbed_weights: FP8 [H, N, K] for the per-head kernel hook, or arrays
+    w_uk [H, dn, R] / w_uv [H, dv, R]); without them, sliced from kv_b here."""
+    h, dn, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+    w = p.w_uk if which == "uk" else p.w_uv
+    if isinstance(w, Fp8Tensor) and prec.fp8_head_matmul is not None:
+        return prec.fp8_head_matmul(x, w)
+    if w is None or isinstance(w, Fp8Tensor):
+        kv_b = dense_weight(p.kv_b, prec.dot_dtype).reshape(h, dn + cfg.v_head_dim, r)
+        w = kv_b[:, :dn] if which == "uk" else kv_b[:, dn:]
+    return _dot("mhd,hdr->mhr" if which == "uk" else "mhr,hdr->mhd", x, w, prec)
+
+
 def q_absorb(p: MLAParams, cfg: ModelConfig, prec: Precision, q_nope: jax.Array) -> jax.Array:
     """q_nope [M, H, dn] -> q_lat [M, H, R] f32 (W_uk^T q_nope per head)."""
-    h, dn, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
-    if isinstance(p.w_uk, Fp8Tensor) and prec.fp8_head_matmul is not None:
-        return prec.fp8_head_matmul(q_nope, p.w_uk)  # w_uk stored [H, R, dn] (blocks transposed)
-    if p.w_uk is not None and not isinstance(p.w_uk, Fp8Tensor):
-        w_uk = p.w_uk  # [H, dn, R]
-    else:
-        w_uk = dense_weight(p.kv_b, prec.dot_dtype).reshape(h, dn + cfg.v_head_dim, r)[:, :dn]
-    return _dot("mhd,hdr->mhr", q_nope, w_uk, prec)
+    return _head_matmul(p, cfg, prec, q_nope, "uk")
 
 
 def o_unabsorb(p: MLAParams, cfg: ModelConfig, prec: Precision, o_lat: jax.Array) -> jax.Array:
     """o_lat [M, H, R] -> o [M, H, dv] f32 (W_uv o_lat per head)."""
-    h, dn, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
-    if isinstance(p.w_uv, Fp8Tensor) and prec.fp8_head_matmul is not None:
-        return prec.fp8_head_matmul(o_lat, p.w_uv)  # [H, dv, R]
-    if p.w_uv is not None and not isinstance(p.w_uv, Fp8Tensor):
-        w_uv = p.w_uv  # [H, dv, R]
-    else:
-        w_uv = dense_weight(p.kv_b, prec.dot_dtype).reshape(h, dn + cfg.v_head_dim, r)[:, dn:]
-    return _dot("mhr,hdr->mhd", o_lat, w_uv, prec)
+    return _head_matmul(p, cfg, prec, o_lat, "uv")
 
 
 def _write_rows(cache: jax.Array, rows: jax.Array, pos: jax.Array, new: jax.Array) -> jax.Array:
