@@ -73,6 +73,12 @@ class Run:
     logits: list[Any] = dataclasses.field(default_factory=list)  # chunks of [B, t, V]
     streamed_bytes: dict[int, int] = dataclasses.field(default_factory=dict)  # layer -> bytes loaded
     plan_index: int = 0  # which of the trace's plans this run is (slice arg "plan")
+    # Runs executed at the same time (dual-batch decode, a chunk beside a decode step) share
+    # one lock per resource: a resource then runs one op at a time across all of them, so
+    # the runs alternate on the accelerator and the CPU experts instead of contending, and
+    # the KV pool arrays (replaced by each attention op) see one writer at a time.
+    locks: dict[str, threading.Lock] | None = None
+    label: str | None = None  # trace slice arg "batch" (which micro-batch)
 
     def __post_init__(self) -> None:
         b = self.tokens.shape[0]
@@ -398,12 +404,19 @@ def _exec(run: Run, op: Op, block: bool) -> None:
     fn = HANDLERS.get(op.kind)
     if fn is None:
         raise PlanError(f"op {op.id}: no handler for kind {op.kind!r} (known: {sorted(HANDLERS)})")
-    t0 = time.perf_counter_ns()
-    outs = fn(run, op)
-    if block:
-        jax.block_until_ready(outs)
-        _throttle(run, op, t0)
-    t1 = time.perf_counter_ns()
+    lock = run.locks.get(op.resource) if (run.locks is not None and block) else None
+    if lock is not None:
+        lock.acquire()
+    try:
+        t0 = time.perf_counter_ns()
+        outs = fn(run, op)
+        if block:
+            jax.block_until_ready(outs)
+            _throttle(run, op, t0)
+        t1 = time.perf_counter_ns()
+    finally:
+        if lock is not None:
+            lock.release()
     if run.trace is not None:
         name = op.kind if op.layer < 0 else f"{op.kind} L{op.layer}"
         args = {
@@ -414,6 +427,8 @@ def _exec(run: Run, op: Op, block: bool) -> None:
             "flops": op.flops,
             **op.args,
         }
+        if run.label is not None:
+            args["batch"] = run.label
         if ("copy_ns", op.id) in run.vals:
             c0, c1 = run.vals.pop(("copy_ns", op.id))
             args.update(copy_start_ns=c0, copy_end_ns=c1)
@@ -467,3 +482,8 @@ def execute(plan: Plan, run: Run, mode: str = "pipelined") -> float:
 
 def jit_host_expert_fn(expert_fn: ExpertFn) -> Callable:
     return jax.jit(expert_fn)
+
+
+def shared_locks(*plans: Plan) -> dict[str, threading.Lock]:
+    """One lock per resource any of `plans` uses (Run.locks for runs executed together)."""
+    return {r: threading.Lock() for p in plans for r in p.resources()}

@@ -17,6 +17,7 @@ numbers when no row is free or a request needs more than max_len tokens.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -30,6 +31,12 @@ from hmoe_jax.plan.buckets import cache_len
 
 class PoolExhausted(RuntimeError):
     pass
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_row(dst: jax.Array, src: jax.Array, row: jax.Array) -> jax.Array:
+    """dst [rows, S, D] with src [s, D] (s <= S) written at [row, :s] (dst donated: in place)."""
+    return jax.lax.dynamic_update_slice(dst, src[None].astype(dst.dtype), (row, 0, 0))
 
 
 def bytes_per_row(cfg: ModelConfig, max_len: int, dtype: Any) -> int:
@@ -115,6 +122,25 @@ class KVPool:
         for i in range(len(self.latent)):
             self.latent[i] = self.latent[i].at[row].set(c.latent[i, 0].astype(self.dtype))
             self.rope[i] = self.rope[i].at[row].set(c.k_rope[i, 0].astype(self.dtype))
+
+    def copy_in(self, row: int, src: KVPool, src_row: int = 0) -> int:
+        """Write src's row `src_row` (another pool, e.g. a prefill on another accelerator)
+        into this pool's row `row`, moving it to this pool's device; returns bytes moved.
+        The whole source row is copied (its unused tail is zeros, masked by attention)."""
+        if src.max_len > self.max_len or len(src.latent) != len(self.latent):
+            raise ValueError(
+                f"KV pool: cannot copy a {len(src.latent)}-layer row of {src.max_len} tokens into "
+                f"{len(self.latent)} layers of {self.max_len}"
+            )
+        dev = next(iter(self.latent[0].devices()))
+        r = np.int32(row)
+        moved = 0
+        for i in range(len(self.latent)):
+            lat, rope = jax.device_put((src.latent[i][src_row], src.rope[i][src_row]), dev)
+            self.latent[i] = _write_row(self.latent[i], lat, r)
+            self.rope[i] = _write_row(self.rope[i], rope, r)
+            moved += int(lat.nbytes + rope.nbytes)
+        return moved
 
     def to_kvcache(self) -> KVCache:
         """All rows as a model.KVCache [L, rows, max_len, ...] (tests)."""
