@@ -105,7 +105,7 @@ class SeqState:
     prompt: np.ndarray  # [T] int32
     params: SamplingParams
     row: int
-    pos: int  # cache position of the next token to feed (= prompt + generated - 1 after prefill)
+    pos: int  # prompt tokens prefilled so far; after prefill, the position of the next token to feed
     tokens: list[int] = dataclasses.field(default_factory=list)  # generated (a stop id included)
     done: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "cancelled"
@@ -220,6 +220,8 @@ class Engine:
         rows: np.ndarray | None = None,
         mode: str | None = None,
         trace: TraceRecorder | None = None,
+        locks: dict | None = None,
+        label: str | None = None,
     ) -> tuple[X.Run, float]:
         tokens = np.asarray(tokens, np.int32)
         run = X.Run(
@@ -236,6 +238,8 @@ class Engine:
             trace=trace,
             link_gbps=self.link_gbps,
             acc_tflops_cap=self.acc_tflops_cap,
+            locks=locks,
+            label=label,
         )
         if trace is not None:
             plans = trace.meta.setdefault("plans", [])
@@ -278,8 +282,13 @@ class Engine:
         pos: np.ndarray,
         cache: KVPool,
         trace: TraceRecorder | None = None,
+        *,
+        mode: str | None = None,
+        locks: dict | None = None,
+        label: str | None = None,
     ) -> jax.Array:
-        """One batched decode step: token toks[b] of pool row rows[b] at position pos[b] -> logits [B, V]."""
+        """One batched decode step: token toks[b] of pool row rows[b] at position pos[b] -> logits [B, V].
+        mode (default decode_mode) / locks / label: for runs executed concurrently (engine/dual.py)."""
         b = len(rows)
         plan = self.decode_plan(b, trace, int(np.max(pos)))
         run, _ = self.run_plan(
@@ -288,8 +297,10 @@ class Engine:
             cache,
             np.asarray(pos, np.int32),
             rows=np.asarray(rows, np.int32),
-            mode=self.decode_mode,
+            mode=mode or self.decode_mode,
             trace=trace,
+            locks=locks,
+            label=label,
         )
         self.last_run = run
         return run.logits[-1][:, -1]
@@ -314,26 +325,62 @@ class Engine:
     ) -> SeqState:
         """Admit a request: take a pool row, prefill the prompt with `schedule`, sample the
         first token. Raises PoolExhausted (nothing allocated) when the pool is full."""
+        seq = self.admit(prompt_ids, params)
+        try:
+            self.prefill_seq(seq, schedule, trace=trace, all_logits=all_logits, **options)
+        except BaseException:
+            self.pool.free(seq.row)
+            raise
+        return seq
+
+    def admit(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> SeqState:
+        """Validate a request and take its pool row, without running anything (the request
+        scheduler then prefills it, whole or in chunks). Raises ValueError for bad input and
+        PoolExhausted (nothing allocated) when no row is free."""
         params = (params or SamplingParams()).validate()
         ids = check_prompt(self.cfg, prompt_ids, params.max_new_tokens)
         row = self.pool.alloc(ids.size + params.max_new_tokens)
         stops = frozenset(self.cfg.eos_ids if params.stop_ids is None else params.stop_ids)
-        seq = SeqState(ids, params, row, ids.size, stops=stops)
-        try:
-            t0 = time.perf_counter()
-            logits, run, prefill_s, plan = self.prefill(
-                ids, self.pool, schedule, row=row, all_logits=all_logits, trace=trace, **options
-            )
-            tok = int(sample_batch(logits[-1:], [params], [0])[0])
-        except BaseException:
-            self.pool.free(row)
-            raise
-        seq.ttft_s = time.perf_counter() - t0
-        seq.schedule, seq.prefill_s, seq.plan_meta = plan.schedule, prefill_s, dict(plan.meta)
+        return SeqState(ids, params, row, 0, stops=stops)
+
+    def prefill_seq(
+        self,
+        seq: SeqState,
+        schedule: str = "auto",
+        t1: int | None = None,
+        *,
+        trace: TraceRecorder | None = None,
+        all_logits: bool = False,
+        **options: Any,
+    ) -> bool:
+        """Prefill prompt tokens [seq.pos, t1) of an admitted sequence into its row (a chunk
+        when t1 < prompt length: only the cpu schedule takes a start position). After the
+        last chunk, sample the first token. Returns True when the prompt is done."""
+        n = seq.prompt.size
+        t0, t1 = seq.pos, n if t1 is None else min(int(t1), n)
+        if not 0 <= t0 < t1:
+            raise ValueError(f"prefill_seq: empty chunk [{t0}, {t1}) of a {n}-token prompt")
+        start = time.perf_counter()
+        plan = self.plan(schedule, t1 - t0, t0, all_logits=all_logits, **options)
+        rows = np.array([seq.row], np.int32)
+        run, secs = self.run_plan(plan, seq.prompt[t0:t1], self.pool, t0, rows=rows, trace=trace)
+        seq.pos = t1
+        seq.prefill_s += secs
+        seq.streamed_bytes += sum(run.streamed_bytes.values())
+        seq.schedule, seq.plan_meta = plan.schedule, dict(plan.meta)
+        if t1 < n:
+            return False
+        logits = jnp.concatenate([lg[0] for lg in run.logits], axis=0)
+        self.first_token(seq, logits, seq.prefill_s - secs + time.perf_counter() - start)
+        return True
+
+    def first_token(self, seq: SeqState, logits: jax.Array, ttft_s: float) -> None:
+        """Sample a prefilled sequence's first token from its prompt's logits [T or 1, V]."""
+        tok = int(sample_batch(logits[-1:], [seq.params], [0])[0])
+        seq.pos = seq.prompt.size
+        seq.ttft_s = ttft_s
         seq.prefill_logits = np.asarray(logits)
-        seq.streamed_bytes = sum(run.streamed_bytes.values())
         self._append(seq, tok)
-        return seq
 
     def _append(self, seq: SeqState, tok: int) -> None:
         seq.tokens.append(tok)
@@ -351,15 +398,25 @@ class Engine:
         if any(s.done for s in seqs):
             raise ValueError("engine.step: a finished sequence was passed")
         t0 = time.perf_counter()
+        toks, rows, pos = self.step_inputs(seqs)
+        logits = self.decode_rows(toks, rows, pos, self.pool, trace)
+        return self.take_step(seqs, logits, time.perf_counter() - t0)
+
+    @staticmethod
+    def step_inputs(seqs: list[SeqState]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(last tokens, pool rows, positions) [B] of a decode step over `seqs`."""
+        toks = np.array([s.tokens[-1] for s in seqs], np.int32)
         rows = np.array([s.row for s in seqs], np.int32)
         pos = np.array([s.pos for s in seqs], np.int32)
-        toks = np.array([s.tokens[-1] for s in seqs], np.int32)
-        logits = self.decode_rows(toks, rows, pos, self.pool, trace)
+        return toks, rows, pos
+
+    def take_step(self, seqs: list[SeqState], logits: jax.Array, dt_s: float) -> list[int]:
+        """Sample each sequence's next token from a decode step's logits [B, V] and append it
+        (a stop id or max_new_tokens finishes the sequence and frees its row)."""
         new = sample_batch(logits, [s.params for s in seqs], [len(s.tokens) for s in seqs])
-        dt = time.perf_counter() - t0
         for s, tok in zip(seqs, new.tolist()):
             s.pos += 1
-            s.decode_s.append(dt)
+            s.decode_s.append(dt_s)
             self._append(s, int(tok))
         return new.tolist()
 
@@ -401,6 +458,23 @@ class Engine:
             seq.plan_meta,
             seq.streamed_bytes,
         )
+
+    def view(self, accelerators: Sequence[int]) -> Engine:
+        """An engine on a subset of this one's accelerators (by index), sharing its host
+        weights (the same numpy buffers: routed experts are never copied; non-expert weights
+        are placed on the view's first accelerator, zero-copy on stand-ins) and options,
+        with its own pool, staging rings and compiled plans. The scheduler prefills on
+        accelerator 1 through a view while accelerator 0 keeps decoding."""
+        accs = tuple(self.placement.accelerators[int(i)] for i in accelerators)
+        if not accs:
+            raise ValueError("Engine.view: no accelerators given")
+        v = object.__new__(Engine)
+        v.__dict__.update(self.__dict__)
+        v.placement = P.Placement(self.placement.host, accs)
+        v.system = dataclasses.replace(self.system, num_accelerators=len(accs))
+        v.weights = PlacedWeights.place(self.weights.host, self.cfg, v.placement, self.prec)
+        v._rings, v._decode_plans, v._pool, v.last_run = {}, {}, None, None
+        return v
 
     def close(self) -> None:
         for r in self._rings.values():
