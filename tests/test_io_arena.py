@@ -185,19 +185,6 @@ _CHILD = textwrap.dedent(
 )
 
 
-def _smaps_kb(pid: int, path: str) -> dict[str, int]:
-    out = {"Rss": 0, "Pss": 0}
-    inside = False
-    with open(f"/proc/{pid}/smaps") as f:
-        for line in f:
-            head = line.split()
-            if len(head) >= 5 and "-" in head[0] and ":" not in head[0]:  # a mapping's header line
-                inside = len(head) >= 6 and head[5] == path
-            elif inside and head[0].rstrip(":") in out:
-                out[head[0].rstrip(":")] += int(head[1])
-    return out
-
-
 def test_two_processes_share_the_pages(tmp_path):
     if not os.access(f"/proc/{os.getpid()}/smaps", os.R_OK):
         pytest.skip("/proc/<pid>/smaps is not readable here")
@@ -222,7 +209,7 @@ def test_two_processes_share_the_pages(tmp_path):
     try:
         sums = [k.stdout.readline().split() for k in kids]
         assert [s[0] for s in sums] == ["ready", "ready"] and sums[0][1] == sums[1][1], sums
-        use = [_smaps_kb(k.pid, data) for k in kids]
+        use = [ar.mapped_kb(k.pid, data) for k in kids]
     finally:
         for k in kids:
             k.stdin.close()

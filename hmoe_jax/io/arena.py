@@ -277,6 +277,33 @@ def _read_index(root: Path) -> dict[str, Any]:
     return meta
 
 
+def arena_config(path: str | Path) -> ModelConfig:
+    """The config an arena was written for, from its index alone (maps nothing: a
+    coordinator process that only validates requests never touches the weight pages)."""
+    root = Path(path)
+    try:
+        return config_from_dict(_read_index(root)["config"], where=str(root / ARENA_INDEX))
+    except (KeyError, TypeError) as e:
+        raise ArenaError(f"{root / ARENA_INDEX}: no valid 'config' ({e!r})") from None
+
+
+def mapped_kb(pid: int, path: str | Path) -> dict[str, int]:
+    """Rss and Pss (kB) of process `pid`'s mappings of file `path`, from /proc/<pid>/smaps.
+    Pss splits each resident page among the processes that map it, so the sum over
+    processes sharing one copy is one copy, where Rss would count it once per process."""
+    target = os.path.realpath(path)
+    out = {"Rss": 0, "Pss": 0}
+    inside = False
+    with open(f"/proc/{int(pid)}/smaps") as f:
+        for line in f:
+            head = line.split()
+            if len(head) >= 5 and "-" in head[0] and ":" not in head[0]:  # a mapping's header line
+                inside = len(head) >= 6 and head[5] == target
+            elif inside and head[0].rstrip(":") in out:
+                out[head[0].rstrip(":")] += int(head[1])
+    return out
+
+
 def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Tensor name (stacked names for experts) -> shape the config implies."""
     out = {}

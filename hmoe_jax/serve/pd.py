@@ -1,0 +1,457 @@
+"""Intra-node prefill/decode disaggregation (the paper's technique 3, second half): a
+prefill worker and a decode worker as separate OS processes (serve/pd_worker.py), each on
+its own accelerator(s), both mapping ONE host copy of the weights (the shared arena), and
+this coordinator in the calling process, a request Backend like the in-process Scheduler:
+
+    pd = PDCoordinator(checkpoint_dir, engine={"precision": "bf16"}).wait_ready()
+    h = pd.submit(prompt_ids, SamplingParams(max_new_tokens=64))
+    print(list(h), h.request.meta["handover_s"])
+    pd.close()
+
+A request: queued (FCFS) -> prefill worker (whole prompt, `schedule`, first token sampled
+there) -> its latent KV handed over through a shm segment (serve/kvshm.py; the segment is
+named here, so it can be discarded even when a worker dies holding it) -> decode worker
+(continuous batching up to decode_cap). The coordinator sends the next prompt when the
+previous one's first token is back and the decode side has room, so a long prefill never
+stalls running decodes (they are in another process, on another accelerator).
+
+Failure: one thread waits on both workers' sockets, and a process's death closes its end,
+so a worker's death is seen as it happens (no heartbeat period). Its in-flight requests end with an error naming
+the worker, its segments are discarded, and it is restarted; queued requests wait for it.
+A worker that fails to start (bad checkpoint, no device) fails the queue with its message
+and is not restarted. Cancel: queued -> dropped; in prefill -> its segment is discarded
+when the first token comes back; in decode -> the decode worker frees the row before its
+next step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from multiprocessing.connection import Connection, Pipe
+from multiprocessing.connection import wait as mp_wait
+from pathlib import Path
+from typing import Any
+
+from hmoe_jax.io.arena import DATA_NAME, arena_config, ensure_arena, is_arena, mapped_kb
+from hmoe_jax.model.generate import check_prompt
+from hmoe_jax.model.sampling import SamplingParams
+from hmoe_jax.serve import kvshm
+from hmoe_jax.serve.pd_worker import WorkerSpec
+from hmoe_jax.serve.request import Request, RequestHandle
+
+ROLES = ("prefill", "decode")
+_tags = itertools.count()
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "exit code unknown"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _gpu_count() -> int:
+    """GPUs on this host, without starting jax here (the workers own the devices)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+@dataclasses.dataclass
+class _Worker:
+    spec: WorkerSpec
+    proc: Any = None
+    conn: Any = None
+    state: str = "down"  # starting | ready | failed | down
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    restarts: int = 0
+    deaths: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _Entry:
+    handle: RequestHandle
+    stage: str = "queued"  # queued | prefill | decode | done
+    segment: str = ""
+    cancelled: bool = False
+
+
+class PDCoordinator:
+    """Options: prefill_devices / decode_devices (accelerators each worker owns: stand-in
+    CPU devices without GPUs), gpu_ids ({"prefill": (0,), "decode": (1,)}; default on a GPU
+    host: the first GPUs to prefill, the next to decode), engine
+    (Engine options for both workers: one precision, or the KV will not fit), schedule (the
+    prefill worker's: "auto", "slp", "cpu", ...), decode_cap (sequences decoded together),
+    max_restarts, touch_weights (fault every weight page in, for PSS measurements)."""
+
+    def __init__(
+        self,
+        checkpoint: str | Path,
+        *,
+        prefill_devices: int = 1,
+        decode_devices: int = 1,
+        gpu_ids: dict[str, tuple[int, ...]] | None = None,
+        engine: dict[str, Any] | None = None,
+        schedule: str = "auto",
+        decode_cap: int = 6,
+        max_restarts: int = 5,
+        touch_weights: bool = False,
+    ):
+        root = Path(checkpoint)
+        self.arena = str(root if is_arena(root) else ensure_arena(root, progress=False))
+        self.cfg = arena_config(self.arena)
+        opts = dict(engine or {})
+        opts.setdefault("max_batch", decode_cap)
+        if opts["max_batch"] < decode_cap:
+            raise ValueError(f"engine max_batch={opts['max_batch']} < decode_cap={decode_cap}")
+        self.max_len = int(opts.get("max_len") or 4096)
+        self.schedule, self.decode_cap, self.max_restarts = schedule, int(decode_cap), int(max_restarts)
+        self.tag = f"{os.getpid()}x{next(_tags)}"
+        devs = {"prefill": prefill_devices, "decode": decode_devices}
+        if gpu_ids is None and _gpu_count() >= prefill_devices + decode_devices:
+            # A GPU host: the prefill worker owns the first GPUs, the decode worker the next.
+            gpu_ids = {"prefill": tuple(range(prefill_devices)),
+                       "decode": tuple(range(prefill_devices, prefill_devices + decode_devices))}  # fmt: skip
+        self.workers = {
+            r: _Worker(WorkerSpec(r, self.arena, devs[r], (gpu_ids or {}).get(r), opts, touch_weights))
+            for r in ROLES
+        }
+        self._lock = threading.Condition()
+        self._inbox: deque[_Entry] = deque()
+        self._cancels: list[int] = []
+        self._entries: dict[int, _Entry] = {}
+        self._queue: deque[int] = deque()
+        self._in_prefill: int | None = None
+        self._stats: dict[str, dict[str, Any]] = {}
+        self._wake_r, self._wake_w = Pipe(duplex=False)
+        self._closed = False
+        self.handovers: list[dict[str, Any]] = []  # per request: bytes, export / import / total s
+        for w in self.workers.values():
+            self._spawn(w)
+        self._thread = threading.Thread(target=self._loop, name="hmoe-pd", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ public API
+
+    def submit(self, prompt_ids: Any, params: SamplingParams | None = None) -> RequestHandle:
+        """Queue a request; bad input raises ValueError here, naming the problem."""
+        if self._closed:
+            raise RuntimeError("P/D coordinator is closed")
+        params = (params or SamplingParams()).validate()
+        ids = check_prompt(self.cfg, prompt_ids, params.max_new_tokens)
+        if ids.size + params.max_new_tokens > self.max_len:
+            raise ValueError(
+                f"request: prompt ({ids.size} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
+                f"workers' KV row length of {self.max_len} tokens"
+            )
+        e = _Entry(RequestHandle(Request(ids, params, time.perf_counter()), self._cancel))
+        with self._lock:
+            self._inbox.append(e)
+        self._wake()
+        return e.handle
+
+    def wait_ready(self, timeout_s: float = 600.0) -> PDCoordinator:
+        """Block until both workers are up (RuntimeError naming a worker that failed)."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while True:
+                failed = [w for w in self.workers.values() if w.state == "failed"]
+                if failed:
+                    raise RuntimeError(failed[0].info.get("error", "worker failed"))
+                if all(w.state == "ready" for w in self.workers.values()):
+                    return self
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"P/D workers not ready after {timeout_s} s")
+                self._lock.wait(min(left, 0.5))
+
+    @property
+    def healthy(self) -> bool:
+        return all(w.state == "ready" for w in self.workers.values())
+
+    def pid(self, role: str) -> int | None:
+        p = self.workers[role].proc
+        return None if p is None else p.pid
+
+    def stats(self, role: str, timeout_s: float = 30.0) -> dict[str, Any]:
+        """The worker's own view (free pool rows, active sequences): no orphaned KV checks."""
+        with self._lock:
+            self._stats.pop(role, None)
+            w = self.workers[role]
+            if w.state != "ready":
+                raise RuntimeError(f"{role} worker is {w.state}")
+            w.conn.send(("stats",))
+            if not self._lock.wait_for(lambda: role in self._stats, timeout_s):
+                raise TimeoutError(f"{role} worker did not answer stats in {timeout_s} s")
+            return self._stats.pop(role)
+
+    def weight_pss(self) -> dict[str, Any]:
+        """Rss / Pss (kB) of each worker's mapping of the arena data file and the pair's
+        Pss over one copy (the file size): <= ~1 when they share pages, ~2 with copies."""
+        data = os.path.join(self.arena, DATA_NAME)
+        size_kb = os.path.getsize(data) / 1024
+        per = {r: mapped_kb(self.pid(r), data) for r in ROLES}
+        return {
+            "arena_kb": size_kb,
+            "workers": per,
+            "pss_ratio": sum(u["Pss"] for u in per.values()) / size_kb,
+            "rss_ratio": sum(u["Rss"] for u in per.values()) / size_kb,
+            "zero_copy": {r: self.workers[r].info.get("arena_view_bytes", 0) for r in ROLES},
+            "host_weight_bytes": {r: self.workers[r].info.get("host_weight_bytes", 0) for r in ROLES},
+        }
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake()
+        self._thread.join(timeout=30)
+        for w in self.workers.values():
+            self._stop(w)
+        kvshm.discard_all(kvshm.segment_name(self.tag, ""))  # segments of ours nobody adopted
+        with self._lock:
+            for e in list(self._entries.values()) + list(self._inbox):
+                self._end(e, "cancelled")
+
+    def __enter__(self) -> PDCoordinator:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ workers
+
+    def _spawn(self, w: _Worker) -> None:
+        # A fresh interpreter (never fork a process that runs jax threads) on one end of a
+        # socketpair: its death closes the socket, which wakes the loop at once.
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ)
+        w.proc = subprocess.Popen(
+            [sys.executable, "-m", "hmoe_jax.serve.pd_worker", str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),),
+            env=env,
+        )
+        theirs.close()
+        w.conn = Connection(ours.detach())
+        w.conn.send(w.spec)
+        w.state, w.info = "starting", {}
+
+    def _stop(self, w: _Worker) -> None:
+        if w.proc is None:
+            return
+        try:
+            w.conn.send(("stop",))
+        except (OSError, ValueError):
+            pass
+        try:
+            w.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            w.proc.kill()
+            w.proc.wait(timeout=5)
+        w.conn.close()
+        w.state = "down"
+
+    def _died(self, w: _Worker) -> None:
+        """A worker process ended: fail its requests, discard their segments, restart it."""
+        role = w.spec.role
+        try:
+            w.proc.wait(timeout=1)
+        except subprocess.TimeoutExpired:  # its socket closed but it lingers: make sure
+            w.proc.kill()
+            w.proc.wait(timeout=5)
+        why = f"{role} worker (pid {w.proc.pid}) died ({_exit_text(w.proc.returncode)})"
+        w.deaths.append({"t_s": time.perf_counter(), "why": why})
+        w.conn.close()
+        lost = []
+        if role == "prefill" and self._in_prefill is not None:
+            lost, self._in_prefill = [self._in_prefill], None
+        elif role == "decode":
+            lost = [r for r, e in self._entries.items() if e.stage == "decode"]
+        for rid in lost:
+            e = self._entries[rid]
+            kvshm.discard(e.segment)
+            self._end(e, "error", f"{why}; the request was lost and the worker is being restarted")
+        if w.state == "starting" and not w.info:
+            w.state = "failed"
+            w.info["error"] = why + " while starting"
+            self._fail_queue(w.info["error"])
+        elif self._closed or w.restarts >= self.max_restarts:
+            w.state = "failed"
+            w.info["error"] = f"{why}; not restarted (restarts: {w.restarts})"
+            self._fail_queue(w.info["error"])
+        else:
+            w.restarts += 1
+            self._spawn(w)
+        self._lock.notify_all()
+
+    def _fail_queue(self, why: str) -> None:
+        for rid in list(self._queue):
+            self._end(self._entries[rid], "error", why)
+        self._queue.clear()
+
+    # ------------------------------------------------------------ the loop
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send_bytes(b"!")
+        except OSError:
+            pass
+
+    def _cancel(self, req: Request) -> None:
+        with self._lock:
+            self._cancels.append(req.id)
+        self._wake()
+
+    def _loop(self) -> None:
+        while not self._closed:
+            live = [w for w in self.workers.values() if w.state in ("starting", "ready")]
+            objs = [self._wake_r, *(w.conn for w in live)]
+            ready = mp_wait(objs, timeout=1.0)
+            with self._lock:
+                if self._wake_r in ready:
+                    while self._wake_r.poll():
+                        self._wake_r.recv_bytes()
+                for w in live:
+                    if w.conn in ready:
+                        self._drain(w)
+                while self._inbox:
+                    e = self._inbox.popleft()
+                    self._entries[e.handle.id] = e
+                    self._queue.append(e.handle.id)
+                cancels, self._cancels = self._cancels, []
+                for rid in cancels:
+                    self._do_cancel(rid)
+                self._dispatch()
+
+    def _drain(self, w: _Worker) -> None:
+        """Read every message the worker sent (what it said before it died still counts);
+        a closed socket is its death."""
+        try:
+            while w.conn.poll():
+                self._on_message(w, w.conn.recv())
+        except (EOFError, OSError):
+            self._died(w)
+
+    def _on_message(self, w: _Worker, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "ready":
+            w.state, w.info = "ready", msg[1]
+            self._lock.notify_all()
+        elif kind == "fatal":
+            w.state, w.info = "failed", {"error": msg[1]}
+            self._fail_queue(msg[1])
+            self._lock.notify_all()
+        elif kind == "stats":
+            self._stats[w.spec.role] = msg[1]
+            self._lock.notify_all()
+        elif kind == "error":
+            rid = msg[1]
+            if self._in_prefill == rid:
+                self._in_prefill = None
+            e = self._entries.get(rid)
+            if e is not None:
+                kvshm.discard(e.segment)
+                self._end(e, "error", f"{w.spec.role} worker: {msg[2]}")
+        elif kind == "first":
+            self._on_first(*msg[1:])
+        elif kind == "adopted":
+            rid, info = msg[1], msg[2]
+            h = next(x for x in reversed(self.handovers) if x["rid"] == rid)
+            h.update(import_s=info["import_s"], total_s=info["adopted_s"] - h["created_s"])
+            e = self._entries.get(rid)
+            if e is not None:
+                e.handle.request.meta.update(handover_s=h["total_s"], import_s=info["import_s"])
+        elif kind == "tokens":
+            for rid, tok, t_s, reason in msg[1]:
+                e = self._entries.get(rid)
+                if e is None or e.stage != "decode":
+                    continue
+                e.handle.emit(tok, t_s)
+                if reason is not None:
+                    self._end(e, reason, t_s=t_s)
+
+    def _on_first(self, rid: int, tok: int, t_s: float, reason: str | None, meta: Any, info: dict) -> None:
+        self._in_prefill = None
+        e = self._entries.get(rid)
+        if e is None or e.cancelled:
+            if meta is not None:
+                kvshm.discard(meta.name)  # nobody will adopt it
+            self._entries.pop(rid, None)
+            return
+        req = e.handle.request
+        req.started_s, req.schedule = info["started_s"], info["schedule"]
+        req.meta.update(prefill_s=info["prefill_s"], schedule=info["schedule"])
+        e.handle.emit(tok, t_s)
+        if reason is not None:
+            self._end(e, reason, t_s=t_s)
+            return
+        self.handovers.append(
+            {"rid": rid, "kv_bytes": meta.nbytes, "tokens": meta.tokens, "export_s": meta.export_s,
+             "created_s": meta.created_s}
+        )  # fmt: skip
+        req.meta.update(kv_bytes=meta.nbytes, export_s=meta.export_s)
+        d = self.workers["decode"]
+        if d.state != "ready":
+            kvshm.discard(meta.name)
+            self._end(e, "error", f"decode worker is {d.state}; the request's KV was dropped")
+            return
+        e.stage = "decode"
+        d.conn.send(("adopt", rid, req.prompt, req.params, tok, meta))
+
+    def _dispatch(self) -> None:
+        """Send the next queued prompt when the prefill worker is idle and the decode side
+        has room for it."""
+        p = self.workers["prefill"]
+        if self._in_prefill is not None or p.state != "ready" or not self._queue:
+            return
+        if self.workers["decode"].state != "ready":
+            return
+        decoding = sum(1 for e in self._entries.values() if e.stage == "decode")
+        if decoding >= self.decode_cap:
+            return
+        rid = self._queue.popleft()
+        e = self._entries[rid]
+        e.stage, e.segment = "prefill", kvshm.segment_name(self.tag, rid)
+        self._in_prefill = rid
+        e.handle.request.started_s = time.perf_counter()
+        p.conn.send(
+            ("prefill", rid, e.handle.request.prompt, e.handle.request.params, e.segment, self.schedule)
+        )
+
+    def _do_cancel(self, rid: int) -> None:
+        e = self._entries.get(rid)
+        if e is None or e.stage == "done":
+            return
+        if e.stage == "queued":
+            self._queue.remove(rid)
+        elif e.stage == "prefill":
+            e.cancelled = True  # _on_first discards the segment when the prompt is done
+        elif e.stage == "decode" and self.workers["decode"].state == "ready":
+            self.workers["decode"].conn.send(("cancel", rid))
+        self._end(e, "cancelled", keep=e.stage == "prefill")
+
+    def _end(self, e: _Entry, reason: str, error: str | None = None, *, t_s: float | None = None, keep=False):
+        e.stage = "done" if not keep else e.stage
+        e.handle.finish(reason, time.perf_counter() if t_s is None else t_s, error)
+        if not keep:
+            self._entries.pop(e.handle.id, None)
+
+
+__all__ = ["PDCoordinator", "ROLES"]
