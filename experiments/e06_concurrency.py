@@ -374,8 +374,8 @@ def main(argv: list[str] | None = None) -> dict:
     t_start = time.perf_counter()
     cfg, params, ckpt, model_desc = build_model(quick)
     batches = [1, 2, 4] if quick else [1, 2, 4, 6]
-    long_len = 160 if quick else 512
-    max_len = 256 if quick else 1024
+    long_len = 160 if quick else 256
+    max_len = 256 if quick else 512
     opts = dict(precision="bf16", max_len=max_len, max_batch=8)
     eng = Engine(params, cfg, devices=2, system=SystemSpec(num_accelerators=2), **opts)
     print(f"[setup] {model_desc}; engine on 2 stand-in accelerators, bf16 policy", flush=True)
