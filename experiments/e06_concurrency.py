@@ -431,6 +431,9 @@ def main(argv: list[str] | None = None) -> dict:
         vals = [r[key] for r in rs if key in r]
         return max(vals) if vals else None
 
+    from hmoe_jax.policies.paper import PaperPolicy
+
+    min_gain = float(PaperPolicy.defaults["dual_min_gain"])
     summary = {
         **{
             f"batch{b}_throughput_gain": by_b[b]["tok_per_s_median"] / by_b[1]["tok_per_s_median"]
@@ -443,6 +446,14 @@ def main(argv: list[str] | None = None) -> dict:
         "dual_batch_bound": best["bound"],
         "dual_batch_gain_batch": best["batch"],
         "dual_vs_plain": best["dual_gain_vs_plain"],
+        # the paper policy's dual_batch="auto" choice from measured (A, M), against what won
+        "auto_policy_picks_dual": {
+            r["batch"]: r["policy_estimate_plain_over_dual"] >= min_gain for r in duals
+        },
+        "auto_policy_right": all(
+            (r["policy_estimate_plain_over_dual"] >= min_gain) == (r["dual_gain_vs_plain"] > 1.0)
+            for r in duals
+        ),
         "worst_ttft_inflation": worst([r for r in mixes_pd if r["mix"] != "1P"], "ttft_inflation"),
         "worst_tpot_inflation": worst(mixes_pd, "tpot_inflation"),
         "worst_ttft_inflation_inprocess": worst([r for r in mixes_in if r["mix"] != "1P"], "ttft_inflation"),
