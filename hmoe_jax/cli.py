@@ -8,6 +8,8 @@ Interfaces are stable (other tools call them):
   hmoe convert  --checkpoint IN --out OUT [--format fp8|bf16|f32|arena] [--shard-bytes N]
   hmoe plan     (--model NAME | --config FILE) --system S --schedule slp|dslp|cpu|auto --prompt-len T
                 [--kv-rows N] [--max-len L] [--measure/--no-measure] [--json]  (exit 3: does not fit)
+  hmoe serve    [--checkpoint DIR] [--host H] [--port P] [--policy NAME] ...  (OpenAI-compatible server)
+  hmoe bench serve --url URL (--scenario NAME | --dataset FILE) ...        (load generator; cli_serve.py)
 Without --checkpoint, the embedded default (deepseek_v3_tiny, synthetic FP8 weights,
 cached on first use) is used. With --json the LAST stdout line is one JSON object.
 
@@ -477,6 +479,9 @@ def build_parser() -> argparse.ArgumentParser:
     from hmoe_jax.cli_plan import add_plan_parser
 
     add_plan_parser(sub)  # hmoe plan: memory and time budget of a plan, no weights
+    from hmoe_jax.cli_serve import add_serve_parsers
+
+    add_serve_parsers(sub)  # hmoe serve (OpenAI-compatible server), hmoe bench serve (load generator)
     return ap
 
 
@@ -544,7 +549,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except PlacementError as e:
             print(f"hmoe: error: {e}", file=sys.stderr)
             return 1
-    if argv is None:
+    if argv is None and getattr(args, "needs_jax", True):  # `hmoe bench` is an HTTP client: no jax
         enable_compilation_cache()
         set_gpu_mem_fraction(args)
     try:

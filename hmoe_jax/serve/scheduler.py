@@ -108,6 +108,11 @@ class Scheduler:
             self._lock.notify_all()
 
     @property
+    def healthy(self) -> bool:
+        """The loop thread is running (start() called, not closed): what /health reports."""
+        return self._thread is not None and self._thread.is_alive() and not self._closed
+
+    @property
     def busy(self) -> bool:
         with self._lock:
             return bool(self._inbox or self._cancels) or any(
