@@ -8,6 +8,10 @@ Interfaces are stable (other tools call them):
   hmoe convert  --checkpoint IN --out OUT [--format fp8|bf16|f32|arena] [--shard-bytes N]
   hmoe plan     (--model NAME | --config FILE) --system S --schedule slp|dslp|cpu|auto --prompt-len T
                 [--kv-rows N] [--max-len L] [--measure/--no-measure] [--json]  (exit 3: does not fit)
+  hmoe simulate --model NAME --system PROFILE --schedule S --prompt-len T [--decode-tokens K] [--batch B]
+                [--devices N] [--int4] [--json]  (the simulator, hmoe_jax/sim/; no weights, no jax)
+  hmoe calibrate [--out PATH] [--quick] [--json]  (measure this machine: configs/systems/local.toml)
+  hmoe reproduce [--quick] [--only e03,e04] [--table-only]  (experiments, paper_figs/, claims table)
   hmoe serve    [--checkpoint DIR] [--host H] [--port P] [--policy NAME] ...  (OpenAI-compatible server)
   hmoe bench serve --url URL (--scenario NAME | --dataset FILE) ...        (load generator; cli_serve.py)
 Without --checkpoint, the embedded default (deepseek_v3_tiny, synthetic FP8 weights,
@@ -482,6 +486,13 @@ def build_parser() -> argparse.ArgumentParser:
     from hmoe_jax.cli_serve import add_serve_parsers
 
     add_serve_parsers(sub)  # hmoe serve (OpenAI-compatible server), hmoe bench serve (load generator)
+    from hmoe_jax.cli_calibrate import add_calibrate_parser
+    from hmoe_jax.cli_reproduce import add_reproduce_parser
+    from hmoe_jax.cli_sim import add_simulate_parser
+
+    add_simulate_parser(sub)  # hmoe simulate: a request's times on a profile (sim/), no weights
+    add_calibrate_parser(sub)  # hmoe calibrate: measure this machine, write configs/systems/local.toml
+    add_reproduce_parser(sub)  # hmoe reproduce: every experiment, figures, claims table
     return ap
 
 

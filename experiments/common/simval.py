@@ -1,0 +1,202 @@
+"""Simulator validation on this machine (e03, e04): the same workload through the engine and
+through hmoe_jax/sim/, side by side.
+
+The profile is configs/systems/local.toml (written by `hmoe calibrate`); the one input
+re-measured in the run is the host read rate (this VM's moves 2x within minutes): a read
+probe right before each timed engine call, and the profile re-based on the median of the
+probes of the rows it predicts (Profile.with_read_gbps). The kernels' efficiencies, rates
+and overheads stay as calibrated. No input is fitted to an engine time.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+GIB = 1 << 30
+
+
+class Probe:
+    """hmoe_read_bytes over 1 GiB; gbps() reads once and returns GB/s."""
+
+    def __init__(self) -> None:
+        from hmoe_jax.kernels.gemm import device_put_zero_copy
+        from hmoe_jax.quant.hostmem import aligned_empty
+
+        buf = aligned_empty((GIB,), np.uint8)
+        buf[:] = 1
+        self.arr = device_put_zero_copy(buf)
+
+    def gbps(self) -> float:
+        import jax
+
+        from hmoe_jax.kernels.gemm import read_bytes
+
+        t = time.perf_counter()
+        jax.block_until_ready(read_bytes(self.arr))
+        return GIB / (time.perf_counter() - t) / 1e9
+
+    def tflops(self) -> float:
+        """The bf16 dot-product peak right now (hmoe_bf16_dot_peak, ~60 ms): how much of the
+        cores the neighbours leave."""
+        from hmoe_jax.kernels.moe import bf16_dot_peak_flops
+
+        return bf16_dot_peak_flops(iters=2_000_000, repeats=1) / 1e12
+
+
+def local_profile(
+    read_gbps: float | None = None, link_gbps: float | None = None, peak_tflops: float | None = None
+):
+    from hmoe_jax.sim.profile import load_profile
+
+    prof = load_profile("local")
+    if read_gbps is not None:
+        why = f"measured: side-by-side probes in this run, read {read_gbps:.1f} GB/s"
+        if peak_tflops is not None:
+            why += f", bf16 peak {peak_tflops:.3f} TFLOPS"
+        prof = prof.with_host_state(read_gbps, peak_tflops, why)
+    if link_gbps is not None:
+        prof = prof.with_link(link_gbps)
+    return prof
+
+
+def bench_params(quick: bool):
+    """The real-shape bench twin of e22 (DeepSeek-V3 layer dims, 2 MoE layers) and its
+    random FP8 params (16 experts and vocab 2,048 with --quick)."""
+    from experiments.e22_batched_decode import bench_twin_config, fp8_twin_params
+
+    cfg = bench_twin_config(vocab=2048, experts=16) if quick else bench_twin_config()
+    t0 = time.perf_counter()
+    params = fp8_twin_params(cfg)
+    print(
+        f"[setup] bench twin ({cfg.n_routed_experts} experts) in {time.perf_counter() - t0:.1f} s", flush=True
+    )
+    return cfg, params
+
+
+def make_engine(cfg, params, max_len: int, max_batch: int, link_gbps: float | None = None):
+    from hmoe_jax.engine.engine import Engine
+    from hmoe_jax.plan.system import SystemSpec
+
+    return Engine(
+        params,
+        cfg,
+        system=SystemSpec(),
+        precision="bf16",
+        expert_fn="auto",
+        max_batch=max_batch,
+        max_len=max_len,
+        link_gbps=link_gbps,
+    )
+
+
+def bench_engine(quick: bool, max_len: int, max_batch: int, link_gbps: float | None = None):
+    cfg, params = bench_params(quick)
+    return cfg, make_engine(cfg, params, max_len, max_batch, link_gbps)
+
+
+def measure_decode(
+    eng, batches: list[int], steps: int, prompt_len: int, probe: Probe, seed: int = 1
+) -> list[dict]:
+    """Median decode step per batch size, a read probe before each step, batch sizes and the
+    two executor modes interleaved: "serial" (each op dispatched, then waited for: the
+    blocking executor the simulator models) and "async" (the engine's default decode mode:
+    ops queued through JAX's async dispatch)."""
+    from hmoe_jax.model.sampling import SamplingParams
+
+    rng = np.random.default_rng(seed)
+    cfg = eng.cfg
+    sets = {
+        b: [
+            eng.start(
+                [int(t) for t in rng.integers(2, cfg.vocab_size, prompt_len)],
+                SamplingParams(max_new_tokens=2 * steps + 4, stop_ids=()),
+                schedule="cpu",
+            )
+            for _ in range(b)
+        ]
+        for b in batches
+    }
+
+    def step(seqs, mode: str) -> float:
+        t0 = time.perf_counter()
+        toks, rows, pos = eng.step_inputs(seqs)
+        logits = eng.decode_rows(toks, rows, pos, eng.pool, mode=mode)
+        eng.take_step(seqs, logits, 0.0)
+        return time.perf_counter() - t0
+
+    modes = ("serial", "async")
+    for b in batches:
+        for mode in modes:
+            step(sets[b], mode)  # compile
+    times = {(b, m): [] for b in batches for m in modes}
+    bws: dict[int, list[float]] = {b: [] for b in batches}
+    pks: dict[int, list[float]] = {b: [] for b in batches}
+    for _ in range(steps):
+        for b in batches:
+            for mode in modes:
+                bws[b].append(probe.gbps())
+                pks[b].append(probe.tflops())
+                times[(b, mode)].append(step(sets[b], mode))
+    rows = []
+    for b in batches:
+        rows.append(
+            {
+                "batch": b,
+                "context": prompt_len + 2 + steps,
+                "measured_step_s": statistics.median(times[(b, "serial")]),
+                "measured_step_s_async": statistics.median(times[(b, "async")]),
+                "probe_gbps": statistics.median(bws[b]),
+                "probe_tflops": statistics.median(pks[b]),
+                "steps": steps,
+            }
+        )
+        for s in sets[b]:
+            eng.cancel(s)
+    return rows
+
+
+def measure_prefill(
+    eng, schedule: str, lengths: list[int], reps: int, probe: Probe, seed: int = 2
+) -> list[dict]:
+    """Median prefill wall time per prompt length (the engine's pipelined executor)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for n in lengths:
+        ids = rng.integers(2, eng.cfg.vocab_size, n).astype(np.int32)
+        cache = eng.new_cache(eng.max_len)
+        eng.prefill(ids, cache, schedule=schedule)  # compile
+        ts, bws, pks = [], [], []
+        for _ in range(reps):
+            bws.append(probe.gbps())
+            pks.append(probe.tflops())
+            t = time.perf_counter()
+            _, _, secs, _ = eng.prefill(ids, cache, schedule=schedule)
+            ts.append(time.perf_counter() - t)
+        rows.append(
+            {
+                "schedule": schedule,
+                "prompt_len": n,
+                "measured_prefill_s": statistics.median(ts),
+                "probe_gbps": statistics.median(bws),
+                "probe_tflops": statistics.median(pks),
+                "reps": reps,
+            }
+        )
+    return rows
+
+
+def errors(pairs: list[tuple[float, float]]) -> dict[str, Any]:
+    """Mean absolute and signed % error of (simulated, measured) pairs (+: sim too high)."""
+    errs = [100.0 * (s - m) / m for s, m in pairs]
+    if not errs:
+        return {"mean_abs_pct": None, "mean_signed_pct": None, "n": 0}
+    return {
+        "mean_abs_pct": statistics.mean(abs(e) for e in errs),
+        "mean_signed_pct": statistics.mean(errs),
+        "max_abs_pct": max(abs(e) for e in errs),
+        "n": len(errs),
+    }

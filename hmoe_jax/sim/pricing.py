@@ -1,0 +1,269 @@
+"""What one plan op asks of the machine: its phases, each a fixed overhead and the seconds it
+would take alone on each physical resource (sim/events.py shares them).
+
+Physical resources of a profile (sim/profile.py):
+  dram<n>, cpu<n>   host DRAM read bandwidth and the host cores' compute, per NUMA node
+  xbw<n>            the CPU expert kernel's own read rate on node n (DRAM x expert efficiency):
+                    alone an expert op reads at that rate; beside other DRAM users it also
+                    shares dram<n> at the full rate
+  acc<i>, accmem<i> accelerator i's GEMM rate (the plan's compute dtype) and memory bandwidth
+                    (placement "host", a stand-in XLA CPU device: its GEMMs run on cpu<n> at
+                    the measured stand-in rate and its reads also use dram<n>, so its ops and
+                    the CPU experts share the same cores and DRAM)
+  h2d<i>, d2h<i>    accelerator i's own host link, each direction (PCIe is full duplex)
+  p2p<i>            accelerator i's peer link (interconnect = "p2p" only)
+  copy<i>           the staging ring's copy threads of the engine whose first accelerator is i
+
+Effective rate = peak x efficiency. Host memory is interleaved over the NUMA nodes (the
+expert op splits experts by node; copies and DMA touch every node evenly), so host bytes are
+spread evenly over dram<n>. Op kinds, as runtime/executor.py and runtime/dist_exec.py run them:
+
+- accelerator pieces (embed, attn, attn_route, route, shared, dense_ffn, combine, final,
+  experts_acc, forward): acc_op_s, then flops on acc<i> and bytes on accmem<i>; experts_acc
+  also converts its slot's FP8 weights inside XLA (weight_convert_gbps, when the profile has
+  one: the stand-in's dense_weight pass);
+- d2h / h2d (activation hops): hop_s, then bytes on the link and on host DRAM;
+- experts_cpu: cpu_op_s, then bytes on xbw<n> (the kernel's read rate: expert_bw_efficiency
+  at one row per touched expert, towards expert_bw_efficiency_batched at more rows) and dram<n> and flops / (CPU peak x
+  expert_compute_efficiency), split evenly over the nodes (plan.meta["expert_format"] =
+  "int4": the INT4 kernel's efficiency; the bytes are already INT4's, sim/reads.py);
+- stage: stage_s, then bytes on copy<i> (the threads' own rate, when the profile has one) and
+  2 x bytes on DRAM (a memcpy reads and writes);
+- load: load_s, then bytes on h2d<i> and DRAM (placement "host": no bytes, the stand-in's
+  ring aliases the host slot); without stage ops (double_buffer=False) the load
+  first does the memcpy itself (a copy phase, as stage);
+- unload / dslp_unload: unload_s only;
+- dslp_load: a copy phase for the ring's expert bytes (staging = "ring"), then the link phase
+  for everything the rank receives;
+- dslp_embed / dslp_attn / dslp_ffn / dslp_moe / dslp_final (every rank in lock-step): the
+  collectives named in args.comm as their own phases (cp attention: all-gather before the
+  compute; SmallEP: all-gather, compute, reduce-scatter; EP: all_to_all, compute, all_to_all),
+  each collective_s and, per rank, its share of the bytes (CommVolume.per_rank_bytes) out over
+  d2h<i> and in over h2d<i> plus host DRAM (interconnect = "host": no P2P, staged through host
+  memory), or over p2p<i>; the compute phase: acc_op_s, per-rank flops and bytes on every
+  rank's acc<i> / accmem<i>.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from hmoe_jax.config import ModelConfig
+from hmoe_jax.plan import costs
+from hmoe_jax.plan.format import Op, Plan
+from hmoe_jax.sim.events import Phase, SimError
+from hmoe_jax.sim.profile import Profile
+
+ACC_PIECES = frozenset(
+    {
+        "embed",
+        "attn",
+        "attn_route",
+        "route",
+        "shared",
+        "dense_ffn",
+        "combine",
+        "final",
+        "experts_acc",
+        "forward",
+    }
+)
+DSLP_COMPUTE = frozenset({"dslp_embed", "dslp_attn", "dslp_ffn", "dslp_moe", "dslp_final"})
+PRICED_KINDS = ACC_PIECES | DSLP_COMPUTE | {"d2h", "h2d", "experts_cpu", "stage", "load", "unload"}
+PRICED_KINDS |= {"dslp_load", "dslp_unload"}
+GB, TERA = 1e9, 1e12
+
+
+class Rates:
+    """A profile's effective rates in bytes/s and flops/s."""
+
+    def __init__(self, p: Profile):
+        cpu, acc, link = p.values["cpu"], p.values["accelerator"], p.values["link"]
+        self.nodes = int(cpu["numa_nodes"])
+        self.dram = cpu["dram_gbps_per_node"] * cpu["dram_efficiency"] * GB  # per node
+        self.expert_dram = {"fp8": self.dram * cpu["expert_bw_efficiency"]}
+        # FP8 expert kernel at r rows per touched expert: 1/efficiency linear in r between 1
+        # (expert_bw_efficiency) and the measured batched point, held beyond it
+        self.expert_eff1 = cpu["expert_bw_efficiency"]
+        self.expert_eff_b = cpu.get("expert_bw_efficiency_batched", self.expert_eff1)
+        self.expert_rpe_b = cpu.get("expert_batched_rows_per_expert", 1.0)
+        if "int4_expert_bw_efficiency" in cpu:
+            self.expert_dram["int4"] = self.dram * cpu["int4_expert_bw_efficiency"]
+        self.expert_flops = cpu["bf16_tflops_per_node"] * cpu["expert_compute_efficiency"] * TERA
+        self.copy = cpu["copy_gbps"] * GB if "copy_gbps" in cpu else None
+        eff = acc["compute_efficiency"]
+        self.acc = {d: acc[f"{d}_tflops"] * eff * TERA for d in ("fp32", "bf16", "fp8")}
+        self.acc_mem = acc["mem_gbps"] * acc["mem_efficiency"] * GB
+        self.h2d, self.d2h = link["h2d_gbps"] * GB, link["d2h_gbps"] * GB
+        self.p2p = link["p2p_gbps"] * GB if link["interconnect"] == "p2p" else None
+        self.overheads = dict(p.values["overheads"])
+        self.accelerators = int(acc["count"])
+        self.on_host = acc["placement"] == "host"
+        self.convert = acc["weight_convert_gbps"] * GB if "weight_convert_gbps" in acc else None
+
+
+def _add(d: dict[str, float], r: str, s: float) -> None:
+    if s > 0:
+        d[r] = d.get(r, 0.0) + s
+
+
+def _host(d: dict[str, float], rates: Rates, nbytes: float) -> None:
+    """nbytes of host DRAM traffic, spread evenly over the nodes."""
+    for n in range(rates.nodes):
+        _add(d, f"dram{n}", nbytes / rates.nodes / rates.dram)
+
+
+def _device(devices: tuple[int, ...], resource: str, rates: Rates) -> int:
+    k = int(resource.split(":")[1])
+    if k >= len(devices):
+        raise SimError(f"op on {resource!r}: the run has accelerators {list(devices)}")
+    dev = devices[k]
+    if dev >= rates.accelerators:
+        raise SimError(f"op on {resource!r} maps to accelerator {dev}; the profile has {rates.accelerators}")
+    return dev
+
+
+def _dtype(plan: Plan) -> str:
+    dt = str(plan.meta.get("compute_dtype", "bf16"))
+    if dt not in ("fp32", "bf16", "fp8"):
+        raise SimError(f"plan {plan.schedule!r}: compute_dtype {dt!r}, expected fp32, bf16 or fp8")
+    return dt
+
+
+def _compute(
+    rates: Rates,
+    dtype: str,
+    devs: tuple[int, ...],
+    flops: float,
+    nbytes: float,
+    label: str,
+    convert: bool = False,
+) -> Phase:
+    """convert: the piece dequantises its FP8 weights (nbytes) inside XLA first (experts_acc)."""
+    d: dict[str, float] = {}
+    conv_s = nbytes / rates.convert if (convert and rates.convert) else 0.0
+    for i in devs:
+        _add(d, f"accmem{i}", nbytes / rates.acc_mem)
+        if rates.on_host:  # a stand-in: its GEMMs (and converts) use every core, its reads host DRAM
+            for n in range(rates.nodes):
+                _add(d, f"cpu{n}", flops / rates.acc[dtype] + conv_s)
+            _host(d, rates, nbytes)
+        else:
+            _add(d, f"acc{i}", flops / rates.acc[dtype] + conv_s)
+    return Phase(label, d, rates.overheads["acc_op_s"])
+
+
+def _copy(rates: Rates, nbytes: float, owner: int, overhead_s: float) -> Phase:
+    d: dict[str, float] = {}
+    if rates.copy is not None:
+        _add(d, f"copy{owner}", nbytes / rates.copy)
+    _host(d, rates, 2 * nbytes)
+    return Phase("copy", d, overhead_s)
+
+
+def _link(rates: Rates, dev: int, nbytes: float, direction: str, overhead_s: float, label: str) -> Phase:
+    d: dict[str, float] = {}
+    _add(d, f"{direction}{dev}", nbytes / (rates.h2d if direction == "h2d" else rates.d2h))
+    _host(d, rates, nbytes)
+    return Phase(label, d, overhead_s)
+
+
+def _collective(rates: Rates, devs: tuple[int, ...], per_rank_bytes: float, label: str) -> Phase:
+    d: dict[str, float] = {}
+    for i in devs:
+        if rates.p2p is not None:
+            _add(d, f"p2p{i}", per_rank_bytes / rates.p2p)
+        else:  # staged through host memory: out over the rank's d2h, in over its h2d
+            _add(d, f"d2h{i}", per_rank_bytes / rates.d2h)
+            _add(d, f"h2d{i}", per_rank_bytes / rates.h2d)
+            _host(d, rates, 2 * per_rank_bytes)
+    return Phase(label, d, rates.overheads["collective_s"])
+
+
+def _comm_phases(rates: Rates, devs: tuple[int, ...], comm: dict[str, Any] | None) -> tuple[list, list]:
+    """(phases before the compute, phases after) of an op's collectives."""
+    if not comm or len(devs) < 2:
+        return [], []
+    n = int(comm.get("n_ranks", len(devs)))
+    ag, rs, a2a = (
+        float(comm.get(k, 0)) / n for k in ("all_gather_bytes", "reduce_scatter_bytes", "all_to_all_bytes")
+    )
+    before, after = [], []
+    if ag:
+        before.append(_collective(rates, devs, ag, "all_gather"))
+    if a2a:
+        before.append(_collective(rates, devs, a2a / 2, "all_to_all"))
+        after.append(_collective(rates, devs, a2a / 2, "all_to_all"))
+    if rs:
+        after.append(_collective(rates, devs, rs, "reduce_scatter"))
+    return before, after
+
+
+def price_op(
+    rates: Rates, plan: Plan, op: Op, devices: tuple[int, ...], cfg: ModelConfig | None = None
+) -> tuple[Phase, ...]:
+    """The phases of `op` (see the module docstring)."""
+    o, k = rates.overheads, op.kind
+    if k in ACC_PIECES:
+        dev = _device(devices, op.resource, rates)
+        return (_compute(rates, _dtype(plan), (dev,), op.flops, op.bytes, k, convert=k == "experts_acc"),)
+    if k in ("d2h", "h2d"):
+        return (_link(rates, _device(devices, op.resource, rates), op.bytes, k, o["hop_s"], k),)
+    if k == "experts_cpu":
+        fmt = str(plan.meta.get("expert_format", "fp8"))
+        if fmt not in rates.expert_dram:
+            raise SimError(
+                f"plan {plan.schedule!r}: expert_format {fmt!r}; the profile prices {sorted(rates.expert_dram)}"
+            )
+        t0, t1 = op.args.get("tokens", (0, plan.num_tokens))
+        rows = (int(t1) - int(t0)) * int(plan.meta.get("batch", 1))
+        rate = rates.expert_dram[fmt]
+        if fmt == "fp8" and rows > 1 and rates.expert_rpe_b > 1 and cfg is not None and op.bytes:
+            experts = op.bytes / costs.expert_bytes(cfg)  # expected distinct experts (sim/reads.py)
+            rpe = min(max(rows * cfg.num_experts_per_tok / experts, 1.0), rates.expert_rpe_b)
+            x = (rpe - 1.0) / (rates.expert_rpe_b - 1.0)
+            inv = (1 - x) / rates.expert_eff1 + x / rates.expert_eff_b
+            rate = rates.dram / inv
+        d: dict[str, float] = {}
+        _host(d, rates, op.bytes)
+        for n in range(rates.nodes):
+            _add(d, f"xbw{n}", op.bytes / rates.nodes / rate)
+            _add(d, f"cpu{n}", op.flops / rates.nodes / rates.expert_flops)
+        return (Phase(k, d, o["cpu_op_s"]),)
+    if k == "stage":
+        return (_copy(rates, op.bytes, devices[0], o["stage_s"]),)
+    if k == "load":
+        dev = _device(devices, op.resource, rates)
+        # a stand-in's device ring aliases the host slot (runtime/staging.py "alias"): the
+        # hand-off moves no bytes; an emulated link (--link-gbps) throttles the copy instead
+        link = _link(rates, dev, 0 if rates.on_host else op.bytes, "h2d", o["load_s"], "link")
+        if plan.meta.get("double_buffer", True) is False:  # the load fills its slot itself first
+            return (_copy(rates, op.bytes, devices[0], 0.0), link)
+        return (link,)
+    if k in ("unload", "dslp_unload"):
+        return (Phase("release", {}, o["unload_s"]),)
+    if k == "dslp_load":
+        dev = _device(devices, op.resource, rates)
+        phases = []
+        if int(op.args.get("slot", -1)) >= 0 and op.args.get("experts"):
+            lo, hi = op.args["experts"]
+            exp = (hi - lo) * costs.expert_bytes(cfg) if cfg is not None else op.bytes
+            phases.append(_copy(rates, min(exp, op.bytes), devices[0], 0.0))
+        phases.append(_link(rates, dev, op.bytes, "h2d", o["load_s"], "link"))
+        return tuple(phases)
+    if k in DSLP_COMPUTE:
+        n = int(plan.meta.get("devices", len(devices)))
+        devs = tuple(_device(devices, f"acc:{r}", rates) for r in range(n))
+        before, after = _comm_phases(rates, devs, op.args.get("comm"))
+        return (*before, _compute(rates, _dtype(plan), devs, op.flops, op.bytes, k), *after)
+    raise SimError(
+        f"plan {plan.schedule!r}: op {op.id} has kind {k!r}, which the simulator does not price "
+        f"(known: {sorted(PRICED_KINDS)}); add it to hmoe_jax/sim/pricing.py"
+    )
+
+
+def pricer(profile: Profile, cfg: ModelConfig | None = None) -> Callable[[Plan, int, tuple[int, ...]], tuple]:
+    """price(plan, op_index, devices) for sim/events.Simulator."""
+    rates = Rates(profile)
+    return lambda plan, i, devices: price_op(rates, plan, plan.ops[i], devices, cfg)

@@ -1,0 +1,317 @@
+"""Hardware profiles for the simulator: configs/systems/<name>.toml, every value with its
+provenance. Strict like model and system configs: an unknown section or key is a ConfigError
+naming it and listing the known ones, a value without a source is an error, and every value
+is type- and range-checked.
+
+    format = "hmoe-sim-profile/1"
+    name = "paper_epyc9355_rtx5090"
+    comment = "..."
+    [cpu]
+    dram_gbps_per_node = { value = 614.4, src = "spec: 12 ch x DDR5-6400 x 8 B per socket" }
+    ...
+
+`src` starts with what kind of number it is: "spec:" (a datasheet), "measured:" (measured,
+saying where and how), "published:" (a published measurement or kernel-efficiency figure,
+naming it), "derived:" (arithmetic from other sourced numbers, shown), "paper:" (PAPER.md),
+or "assumed:" (no source: a neutral choice, listed by Profile.assumptions() so a projection
+can say which inputs were not measured). No number may be chosen to make a headline come out.
+
+Effective rates are peak x efficiency (both sourced): the simulator prices an op at
+bytes / effective bandwidth and flops / effective rate of the resource that runs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from hmoe_jax.config import ConfigError, configs_dir
+from hmoe_jax.plan.system import SystemSpec
+
+PROFILE_FORMAT = "hmoe-sim-profile/1"
+SOURCE_KINDS = ("spec", "measured", "published", "derived", "paper", "assumed")
+
+# section -> key -> (type, required, rule); rule: "pos" (> 0), "frac" (0 < x <= 1),
+# "nonneg" (>= 0), "count" (int >= 1), a tuple of allowed strings, or "str".
+_R = tuple[type, bool, Any]
+SCHEMA: dict[str, dict[str, _R]] = {
+    "cpu": {
+        "numa_nodes": (int, True, "count"),
+        "cores_per_node": (int, True, "count"),
+        "dram_gbps_per_node": (float, True, "pos"),  # peak read bandwidth of one node
+        "dram_efficiency": (float, True, "frac"),  # sustained streaming read / peak
+        "bf16_tflops_per_node": (float, True, "pos"),  # peak of the instructions our kernels use
+        "expert_bw_efficiency": (float, True, "frac"),  # expert kernel bytes/s / sustained read
+        "expert_compute_efficiency": (float, True, "frac"),  # expert kernel flops/s / peak (large M)
+        # the same with several rows per touched expert (batched decode), measured at
+        # expert_batched_rows_per_expert rows per expert; between 1 row and that, the kernel's
+        # time per expert is interpolated linearly (each extra row adds the same compute);
+        # absent: expert_bw_efficiency at every row count
+        "expert_bw_efficiency_batched": (float, False, "frac"),
+        "expert_batched_rows_per_expert": (float, False, "pos"),
+        # the INT4 expert kernel's bytes/s / sustained read (absent: INT4 is not projected)
+        "int4_expert_bw_efficiency": (float, False, "frac"),
+        "copy_gbps": (float, False, "pos"),  # the staging ring's copy threads (absent: no own cap)
+    },
+    "accelerator": {
+        "count": (int, True, "count"),
+        "kind": (str, True, "str"),
+        # "device": its own compute and memory; "host": a stand-in XLA CPU device whose GEMMs
+        # run on the host's cores and read host DRAM (this machine without a GPU), so its
+        # ops share cpu<n> / dram<n> with the CPU experts and the staging copies
+        "placement": (str, True, ("device", "host")),
+        "fp32_tflops": (float, True, "pos"),
+        "bf16_tflops": (float, True, "pos"),
+        "fp8_tflops": (float, True, "pos"),
+        "compute_efficiency": (float, True, "frac"),  # a piece's GEMMs / dense peak
+        "mem_gbps": (float, True, "pos"),
+        "mem_efficiency": (float, True, "frac"),
+        "mem_bytes": (int, True, "count"),
+        # weight bytes/s at which a piece that dequantises FP8 weights inside XLA converts
+        # them (experts_acc's dense_weight: on XLA:CPU a slow elementwise pass, on a GPU fused
+        # into the GEMM's reads); absent: no cost beyond the reads
+        "weight_convert_gbps": (float, False, "pos"),
+    },
+    "link": {
+        "h2d_gbps": (float, True, "pos"),  # each accelerator's own host link, effective
+        "d2h_gbps": (float, True, "pos"),
+        "interconnect": (str, True, ("host", "p2p")),  # host: collectives staged through host memory
+        "p2p_gbps": (float, False, "pos"),  # per accelerator, with interconnect = "p2p"
+    },
+    "overheads": {  # seconds per op, on top of its bytes / flops time
+        "acc_op_s": (float, True, "nonneg"),  # dispatch + completion of one accelerator piece
+        "cpu_op_s": (float, True, "nonneg"),  # one call of the CPU expert op
+        "hop_s": (float, True, "nonneg"),  # one activation copy (d2h / h2d)
+        "stage_s": (float, True, "nonneg"),  # queue one staging memcpy
+        "load_s": (float, True, "nonneg"),  # hand one ring slot to the accelerator
+        "unload_s": (float, True, "nonneg"),  # release one slot
+        "collective_s": (float, True, "nonneg"),  # one collective between accelerators
+        # host work of one engine step outside its plan (step inputs, sampling the token);
+        # absent: 0
+        "step_s": (float, False, "nonneg"),
+    },
+    "schedule": {  # the plan knobs of plan.system.SystemSpec (what the engine's plans use)
+        "auto_slp_min_tokens": (int, True, "count"),
+        "auto_dslp_min_tokens": (int, True, "count"),
+        "cpu_prefill_chunk_tokens": (int, True, "count"),
+        "slp_experts_per_slot": (int, True, "count"),
+    },
+}
+_TOP = {"format", "name", "comment"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """A checked profile: values[section][key] and src[section][key]."""
+
+    name: str
+    values: dict[str, dict[str, Any]]
+    src: dict[str, dict[str, str]]
+    comment: str = ""
+    path: str = ""
+
+    def get(self, section: str, key: str, default: Any = None) -> Any:
+        return self.values.get(section, {}).get(key, default)
+
+    def __getitem__(self, dotted: str) -> Any:
+        section, key = dotted.split(".")
+        if key not in self.values.get(section, {}):
+            raise KeyError(f"profile {self.name!r}: no {dotted}")
+        return self.values[section][key]
+
+    @property
+    def accelerators(self) -> int:
+        return int(self.values["accelerator"]["count"])
+
+    @property
+    def numa_nodes(self) -> int:
+        return int(self.values["cpu"]["numa_nodes"])
+
+    def assumptions(self) -> dict[str, str]:
+        """Every value whose source is 'assumed:' (dotted key -> source)."""
+        return {
+            f"{s}.{k}": v for s, kv in self.src.items() for k, v in kv.items() if v.startswith("assumed:")
+        }
+
+    def provenance(self) -> dict[str, dict[str, Any]]:
+        """dotted key -> {value, src}: what a record carries so a projection names its inputs."""
+        return {
+            f"{s}.{k}": {"value": self.values[s][k], "src": self.src[s][k]}
+            for s in self.values
+            for k in self.values[s]
+        }
+
+    def with_accelerators(self, n: int) -> Profile:
+        """The same box using only its first n accelerators."""
+        if not 1 <= n <= self.accelerators:
+            raise ConfigError(
+                f"profile {self.name!r}: {n} accelerators requested, it has {self.accelerators}"
+            )
+        values = {s: dict(kv) for s, kv in self.values.items()}
+        values["accelerator"]["count"] = n
+        return dataclasses.replace(self, values=values)
+
+    def with_link(self, gbps: float) -> Profile:
+        """The engine's link emulation (Engine(link_gbps=...), `--link-gbps`): activation hops
+        and the staging ring's copies capped at gbps (runtime/executor._throttle, the ring's
+        rate cap), so the link, both directions, and the copy threads run at most at gbps."""
+        if not gbps > 0:
+            raise ConfigError(f"profile {self.name!r}: link cap must be > 0 GB/s, got {gbps}")
+        values = {s: dict(kv) for s, kv in self.values.items()}
+        src = {s: dict(kv) for s, kv in self.src.items()}
+        why = f"derived: emulated link cap {gbps} GB/s (Engine link_gbps)"
+        for key in ("h2d_gbps", "d2h_gbps"):
+            values["link"][key], src["link"][key] = float(gbps), why
+        values["cpu"]["copy_gbps"] = min(float(values["cpu"].get("copy_gbps", gbps)), float(gbps))
+        src["cpu"]["copy_gbps"] = why
+        return dataclasses.replace(self, values=values, src=src)
+
+    def with_read_gbps(self, gbps: float, why: str) -> Profile:
+        """The same box with its host DRAM read rate measured anew (a side-by-side probe in
+        the run being predicted: this VM's rate moves 2x within minutes); the kernels'
+        efficiencies, which are ratios to that rate, are kept. A stand-in's memory is host
+        DRAM, so its mem_gbps follows."""
+        values = {s: dict(kv) for s, kv in self.values.items()}
+        src = {s: dict(kv) for s, kv in self.src.items()}
+        per_node = float(gbps) / self.numa_nodes / float(values["cpu"]["dram_efficiency"])
+        values["cpu"]["dram_gbps_per_node"], src["cpu"]["dram_gbps_per_node"] = per_node, why
+        if values["accelerator"]["placement"] == "host":
+            values["accelerator"]["mem_gbps"], src["accelerator"]["mem_gbps"] = float(gbps), why
+        return dataclasses.replace(self, values=values, src=src)
+
+    def with_host_state(self, read_gbps: float, peak_tflops: float | None, why: str) -> Profile:
+        """with_read_gbps, and with every rate that runs on the host's cores (the CPU's bf16
+        peak; a stand-in accelerator's GEMM and convert rates) scaled by peak_tflops over
+        the calibrated peak: a side-by-side compute probe in the run being predicted, for a
+        machine whose neighbours take cores. Efficiencies stay as calibrated."""
+        prof = self.with_read_gbps(read_gbps, why)
+        if peak_tflops is None:
+            return prof
+        values = {s: dict(kv) for s, kv in prof.values.items()}
+        src = {s: dict(kv) for s, kv in prof.src.items()}
+        scale = float(peak_tflops) / self.numa_nodes / float(values["cpu"]["bf16_tflops_per_node"])
+        keys = [("cpu", "bf16_tflops_per_node")]
+        if values["accelerator"]["placement"] == "host":
+            keys += [
+                ("accelerator", k)
+                for k in ("fp32_tflops", "bf16_tflops", "fp8_tflops", "weight_convert_gbps")
+            ]
+        for s, k in keys:
+            if k in values[s]:
+                values[s][k] = float(values[s][k]) * scale
+                src[s][k] = f"{why}; x{scale:.3f} (compute probe over the calibrated peak)"
+        return dataclasses.replace(prof, values=values, src=src)
+
+    def system_spec(self) -> SystemSpec:
+        """The SystemSpec the engine's schedules plan with on this box (derived, so the plan
+        the simulator times is the plan the engine would build there)."""
+        cpu, acc, link, sch = (self.values[k] for k in ("cpu", "accelerator", "link", "schedule"))
+        return SystemSpec(
+            name=self.name,
+            num_accelerators=int(acc["count"]),
+            h2d_gbps=float(link["h2d_gbps"]),
+            acc_fp32_tflops=float(acc["fp32_tflops"]),
+            acc_bf16_tflops=float(acc["bf16_tflops"]),
+            acc_fp8_tflops=float(acc["fp8_tflops"]),
+            acc_mem_gbps=float(acc["mem_gbps"]),
+            acc_mem_bytes=int(acc["mem_bytes"]),
+            cpu_mem_gbps=float(cpu["dram_gbps_per_node"]) * int(cpu["numa_nodes"]),
+            auto_slp_min_tokens=int(sch["auto_slp_min_tokens"]),
+            auto_dslp_min_tokens=int(sch["auto_dslp_min_tokens"]),
+            cpu_prefill_chunk_tokens=int(sch["cpu_prefill_chunk_tokens"]),
+            slp_experts_per_slot=int(sch["slp_experts_per_slot"]),
+        )
+
+
+def _check(where: str, want: type, rule: Any, v: Any) -> Any:
+    if want is str:
+        ok = isinstance(v, str) and v != "" and (not isinstance(rule, tuple) or v in rule)
+        need = f"one of {list(rule)}" if isinstance(rule, tuple) else "a non-empty string"
+    elif want is int:
+        ok = isinstance(v, int) and not isinstance(v, bool) and v >= 1
+        need = "an int >= 1"
+    else:
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        lo_ok = {"pos": lambda x: x > 0, "frac": lambda x: 0 < x <= 1, "nonneg": lambda x: x >= 0}[rule]
+        ok = ok and lo_ok(v)
+        need = {"pos": "a number > 0", "frac": "a fraction in (0, 1]", "nonneg": "a number >= 0"}[rule]
+    if not ok:
+        raise ConfigError(f"{where}: must be {need}, got {v!r}")
+    return want(v)
+
+
+def _check_src(where: str, src: Any) -> str:
+    if not isinstance(src, str) or ":" not in src:
+        raise ConfigError(f"{where}: src must be '<kind>: <where the number comes from>', got {src!r}")
+    kind, text = src.split(":", 1)
+    if kind.strip() not in SOURCE_KINDS or not text.strip():
+        raise ConfigError(
+            f"{where}: src kind {kind.strip()!r} must be one of {list(SOURCE_KINDS)} with a text"
+        )
+    return src
+
+
+def profile_from_dict(d: dict[str, Any], where: str = "profile") -> Profile:
+    if d.get("format") != PROFILE_FORMAT:
+        raise ConfigError(f"{where}: format {d.get('format')!r}, expected {PROFILE_FORMAT!r}")
+    unknown = sorted(set(d) - _TOP - set(SCHEMA))
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown section(s) {unknown}; known: {sorted(SCHEMA)} and {sorted(_TOP)}"
+        )
+    name = d.get("name")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{where}: key 'name' must be a non-empty string")
+    values: dict[str, dict[str, Any]] = {}
+    srcs: dict[str, dict[str, str]] = {}
+    for section, keys in SCHEMA.items():
+        got = d.get(section, {})
+        if not isinstance(got, dict):
+            raise ConfigError(f"{where}: [{section}] must be a table")
+        bad = sorted(set(got) - set(keys))
+        if bad:
+            raise ConfigError(f"{where}: unknown key(s) {bad} in [{section}]; known: {sorted(keys)}")
+        values[section], srcs[section] = {}, {}
+        for key, (want, required, rule) in keys.items():
+            at = f"{where}: {section}.{key}"
+            if key not in got:
+                if required:
+                    raise ConfigError(f"{at}: missing (every profile sets it, with its source)")
+                continue
+            leaf = got[key]
+            if not isinstance(leaf, dict) or set(leaf) != {"value", "src"}:
+                raise ConfigError(f'{at}: must be {{ value = ..., src = "<kind>: ..." }}, got {leaf!r}')
+            values[section][key] = _check(at, want, rule, leaf["value"])
+            srcs[section][key] = _check_src(at, leaf["src"])
+    link = values["link"]
+    if link["interconnect"] == "p2p" and "p2p_gbps" not in link:
+        raise ConfigError(f"{where}: link.interconnect = 'p2p' needs link.p2p_gbps")
+    return Profile(name=name, values=values, src=srcs, comment=str(d.get("comment", "")), path=where)
+
+
+def profiles_dir() -> Path:
+    return configs_dir() / "systems"
+
+
+def profile_names() -> list[str]:
+    return sorted(p.stem for p in profiles_dir().glob("*.toml"))
+
+
+def load_profile(name_or_path: str) -> Profile:
+    """A profile by name from configs/systems/<name>.toml, or a path to a TOML file."""
+    p = Path(name_or_path)
+    if p.suffix != ".toml":
+        p = profiles_dir() / f"{name_or_path}.toml"
+    if not p.exists():
+        hint = " (run `hmoe calibrate` to measure this machine and write it)" if p.stem == "local" else ""
+        raise ConfigError(
+            f"simulator profile {name_or_path!r} not found at {p}{hint}; known: {profile_names()}"
+        )
+    try:
+        raw = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{p}: not valid TOML ({e})") from None
+    return profile_from_dict(raw, where=str(p))

@@ -1,0 +1,197 @@
+"""Profiles (every number sourced), op pricing against hand arithmetic, and whole plans of
+the engine's schedules timed on the paper machine against closed-form bounds."""
+
+from __future__ import annotations
+
+import pytest
+
+from hmoe_jax.config import ConfigError, named_model_config
+from hmoe_jax.plan import costs
+from hmoe_jax.plan.format import PlanBuilder
+from hmoe_jax.sim.events import Simulator
+from hmoe_jax.sim.pricing import Rates, price_op, pricer
+from hmoe_jax.sim.profile import SOURCE_KINDS, load_profile, profile_from_dict, profile_names
+from hmoe_jax.sim.reads import expected_experts, with_reads
+from hmoe_jax.sim.run import build_plan, critical_path, simulate_request, time_plan
+
+PAPER = "paper_epyc9355_rtx5090"
+
+
+@pytest.fixture(scope="module")
+def paper():
+    return load_profile(PAPER)
+
+
+def test_every_profile_loads_and_every_number_has_a_source():
+    names = profile_names()
+    assert {PAPER, "xeon8480_rtx4090"} <= set(names)
+    for n in names:
+        p = load_profile(n)
+        for key, leaf in p.provenance().items():
+            kind = leaf["src"].split(":", 1)[0]
+            assert kind in SOURCE_KINDS, (n, key, leaf)
+        assert p.system_spec().num_accelerators == p.accelerators
+
+
+def test_profile_rejects_unknown_keys_and_unsourced_values(paper):
+    raw = {"format": "hmoe-sim-profile/1", "name": "x", "cpu": {"numa_nodes": 2}}
+    with pytest.raises(ConfigError, match="value = ..., src"):
+        profile_from_dict(raw)
+    raw["cpu"] = {"numa_nodez": {"value": 2, "src": "spec: x"}}
+    with pytest.raises(ConfigError, match="unknown key"):
+        profile_from_dict(raw)
+    raw["cpu"] = {"numa_nodes": {"value": 2, "src": "guess: x"}}
+    with pytest.raises(ConfigError, match="src kind"):
+        profile_from_dict(raw)
+
+
+def test_paper_profile_system_spec_matches_the_engines_system_json(paper):
+    from hmoe_jax.plan.system import load_system
+
+    s, ref = paper.system_spec(), load_system("rtx5090_x2")
+    for k in ("num_accelerators", "h2d_gbps", "acc_bf16_tflops", "acc_mem_bytes", "auto_slp_min_tokens"):
+        assert getattr(s, k) == getattr(ref, k), k
+    assert s.cpu_mem_gbps == pytest.approx(1228.8)
+
+
+def test_link_op_is_bytes_over_the_link_plus_its_overhead(paper):
+    rates = Rates(paper)
+    b = PlanBuilder("t", 1)
+    b.add("h2d", "h2d:0", bytes=56_000_000)
+    plan = b.build()
+    (ph,) = price_op(rates, plan, plan.ops[0], (0,))
+    assert ph.overhead_s == paper["overheads.hop_s"]
+    assert ph.demand_s["h2d0"] == pytest.approx(1e-3)  # 56 MB at 56 GB/s
+    # host DRAM: the same bytes spread over the 2 nodes at 0.8 x 614.4 GB/s each
+    assert ph.demand_s["dram0"] == pytest.approx(28e6 / (614.4e9 * 0.8))
+
+
+def test_cpu_experts_bound_by_the_kernels_read_rate(paper):
+    rates = Rates(paper)
+    cfg = named_model_config("deepseek_v3")
+    b = PlanBuilder("t", 1)
+    nbytes = 8 * costs.expert_bytes(cfg)
+    b.add("experts_cpu", "cpu_experts", bytes=nbytes, flops=costs.expert_flops(cfg, 8))
+    plan = b.build()
+    (ph,) = price_op(rates, plan, plan.ops[0], (0,))
+    per_node = nbytes / 2 / (614.4e9 * 0.8 * 0.93)
+    assert ph.demand_s["xbw0"] == pytest.approx(per_node)
+    assert max(ph.demand_s, key=ph.demand_s.get) in ("xbw0", "xbw1")
+    assert ph.alone_s == pytest.approx(paper["overheads.cpu_op_s"] + per_node)
+
+
+def test_expected_distinct_experts():
+    cfg = named_model_config("deepseek_v3")  # 256 experts, top-8
+    assert expected_experts(cfg, 1) == pytest.approx(8.0)
+    assert expected_experts(cfg, 4) == pytest.approx(256 * (1 - (1 - 8 / 256) ** 4))
+    assert expected_experts(cfg, 4096) == pytest.approx(256.0)
+
+
+def test_decode_step_is_expert_reads_plus_gpu_reads_plus_overheads(paper):
+    """Batch-1 DeepSeek-V3 decode on the paper machine: the step is a chain per layer
+    (attention on the GPU, hop, CPU experts, hop back), so it is at least the sum of the
+    expert reads and the GPU's weight reads, and at most that plus every op's overhead."""
+    cfg = named_model_config("deepseek_v3")
+    p1 = paper.with_accelerators(1)
+    plan, msg = build_plan(cfg, p1, "cpu", 1, start_pos=1024, batch=1, kv_rows=1, max_len=2048)
+    assert msg is None
+    t = time_plan(plan, cfg, p1)
+    read = with_reads(plan, cfg)
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    experts_s = moe_layers * 8 * costs.expert_bytes(cfg) / (2 * 614.4e9 * 0.8 * 0.93)
+    gpu_s = sum(o.bytes for o in read.ops if o.resource == "acc:0") / (1792e9 * 0.85)
+    o = paper.values["overheads"]
+    ovh = sum(
+        {"acc": o["acc_op_s"], "d2h": o["hop_s"], "h2d": o["hop_s"], "cpu_experts": o["cpu_op_s"]}[
+            op.resource.split(":")[0]
+        ]
+        for op in plan.ops
+    )
+    hops_s = sum(op.bytes for op in plan.ops if op.kind in ("d2h", "h2d")) / 56e9
+    lo = experts_s + gpu_s - sum(op.bytes for op in read.ops if op.kind == "shared") / (1792e9 * 0.85)
+    assert lo <= t.total_s <= experts_s + gpu_s + ovh + hops_s + 1e-9
+    assert t.bound == "xbw0" or t.bound == "xbw1"  # the CPU experts' reads decide decode
+    path = critical_path(t.timeline)
+    assert path[-1]["op"] == 0 and path[0]["end_s"] == pytest.approx(t.total_s)
+
+
+def test_slp_prefill_at_4k_is_link_bound(paper):
+    """At 4K tokens a layer's experts take longer to cross PCIe than the GPU takes to
+    compute them, so the prefill is the expert bytes over the link, plus the dense layers
+    before the first load and the last layer's compute after it."""
+    cfg = named_model_config("deepseek_v3")
+    r = simulate_request(cfg, paper.with_accelerators(1), "slp", 4096)
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    link_s = moe_layers * cfg.n_routed_experts * costs.expert_bytes(cfg) / 56e9
+    assert r["fits"] and r["binding"]["prefill"] == "h2d0"
+    assert link_s <= r["ttft_s"] <= 1.1 * link_s
+
+
+def test_two_prefills_sharing_one_link_take_twice_as_long(paper):
+    """Two SLP prefills submitted together as separate runs on the same accelerator (own
+    queues, one physical link and GPU): they share every resource fairly, so the pair takes
+    longer than one alone and at most twice as long."""
+    cfg = named_model_config("deepseek_v3_tiny")
+    p1 = paper.with_accelerators(1)
+    plan, _ = build_plan(cfg, p1, "slp", 512)
+    plan = with_reads(plan, cfg)
+    alone = Simulator(pricer(p1, cfg))
+    alone.submit(plan)
+    one = alone.run_until()
+    both = Simulator(pricer(p1, cfg))
+    both.submit(plan, devices=(0,))
+    both.submit(plan, devices=(0,))
+    two = both.run_until()
+    assert one < two <= 2.0 * one + 1e-9
+
+
+def test_batched_expert_efficiency_interpolates_time_per_expert(paper):
+    """Between one row per touched expert and the calibrated batched point, the expert
+    kernel's time per byte (1 / efficiency) is linear in rows per expert; beyond it, held."""
+    import dataclasses
+
+    cfg = named_model_config("deepseek_v3")
+    cpu = {**paper.values["cpu"], "expert_bw_efficiency_batched": 0.5, "expert_batched_rows_per_expert": 3.0}
+    prof = dataclasses.replace(paper, values={**paper.values, "cpu": cpu})
+    rates = Rates(prof)
+    one = costs.expert_bytes(cfg)
+
+    def xbw_s(rows: int, experts: int) -> float:
+        b = PlanBuilder("t", 1)
+        b.add("experts_cpu", "cpu_experts", bytes=experts * one, tokens=[0, rows])
+        plan = b.build(batch=1)
+        (ph,) = price_op(rates, plan, plan.ops[0], (0,), cfg)
+        return ph.demand_s["xbw0"]
+
+    per_node = 614.4e9 * 0.8  # each node's sustained read rate; it reads half of the op's bytes
+    base = 16 * one / per_node / 2
+    # 2 rows x top-8 over 8 distinct experts: 2 rows per expert, halfway: 1/eff = (1/0.93 + 1/0.5) / 2
+    assert xbw_s(2, 8) == pytest.approx(8 * one / per_node / 2 * (1 / 0.93 + 1 / 0.5) / 2)
+    assert xbw_s(1, 8) == pytest.approx(8 * one / per_node / 2 / 0.93)  # one row: M = 1 efficiency
+    assert xbw_s(64, 16) == pytest.approx(base / 0.5)  # 32 rows per expert: held at the batched point
+
+
+def test_link_emulation_and_read_rebase_change_only_their_inputs(paper):
+    capped = paper.with_link(1.0)
+    assert capped["link.h2d_gbps"] == capped["link.d2h_gbps"] == 1.0
+    assert capped["cpu.copy_gbps"] == 1.0  # the engine's link cap throttles the ring's copies
+    assert capped.src["link"]["h2d_gbps"].startswith("derived:")
+    re = paper.with_read_gbps(500.0, "measured: a probe")
+    # 500 GB/s sustained over 2 nodes at efficiency 0.8: 312.5 GB/s peak per node
+    assert re["cpu.dram_gbps_per_node"] == pytest.approx(312.5)
+    assert re["cpu.expert_bw_efficiency"] == paper["cpu.expert_bw_efficiency"]
+    assert re["accelerator.mem_gbps"] == paper["accelerator.mem_gbps"]  # a GPU's own memory
+
+
+def test_int4_experts_read_fewer_bytes_and_decode_faster(paper):
+    from hmoe_jax.sim.reads import int4_expert_bytes
+    from hmoe_jax.sim.run import simulate_decode_step
+
+    cfg = named_model_config("deepseek_v3")
+    assert int4_expert_bytes(cfg) / costs.expert_bytes(cfg) == pytest.approx(0.531, abs=0.002)
+    p1 = paper.with_accelerators(1)
+    fp8 = simulate_decode_step(cfg, p1, 1024)
+    int4 = simulate_decode_step(cfg, p1, 1024, expert_format="int4")
+    assert int4["step_s"] < fp8["step_s"]
+    with pytest.raises(ValueError):
+        simulate_decode_step(cfg, p1, 1024, expert_format="int3")
