@@ -14,8 +14,9 @@ Interfaces are stable (other tools call them):
   hmoe reproduce [--quick] [--only e03,e04] [--table-only]  (experiments, paper_figs/, claims table)
   hmoe serve    [--checkpoint DIR] [--host H] [--port P] [--policy NAME] ...  (OpenAI-compatible server)
   hmoe bench serve --url URL (--scenario NAME | --dataset FILE) ...        (load generator; cli_serve.py)
-Without --checkpoint, the embedded default (deepseek_v3_tiny, synthetic FP8 weights,
-cached on first use) is used. With --json the LAST stdout line is one JSON object.
+Without --checkpoint, the shipped trained default (deepseek_v3_stdlib, FP8, inside the
+package; hmoe_jax.io.default_model) is used; HMOE_DEFAULT_MODEL=synthetic selects the
+synthetic deepseek_v3_tiny twin (cached on first use). With --json the LAST stdout line is one JSON object.
 
 Options that change how a model runs (expert path, schedule, devices, ...) are added in
 `add_run_args` and turned into the `Run` in `build_run`; commands only consume a `Run`.
@@ -73,7 +74,7 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
         "--checkpoint",
         type=Path,
         default=None,
-        help="HF-format checkpoint dir (default: embedded tiny model)",
+        help="HF-format checkpoint dir (default: the shipped trained tiny model)",
     )
     p.add_argument(
         "--max-context",
@@ -87,15 +88,14 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
 def build_run(args: argparse.Namespace) -> Run:
     """Load the model and resolve run options. New run flags plug in here."""
 
+    from hmoe_jax.io.default_model import default_checkpoint
     from hmoe_jax.io.loader import load_checkpoint
-    from hmoe_jax.io.synthetic import DEFAULT_MODEL, DEFAULT_SEED, ensure_default_checkpoint
     from hmoe_jax.io.tokenizer import load_tokenizer
     from hmoe_jax.model.moe import experts_ref
 
     progress = not args.quiet
     if args.checkpoint is None:
-        ckpt = ensure_default_checkpoint(progress=progress)
-        model = f"{DEFAULT_MODEL} (synthetic, seed {DEFAULT_SEED})"
+        ckpt, model = default_checkpoint(progress=progress)
     else:
         ckpt = args.checkpoint
         model = ckpt.name

@@ -108,7 +108,9 @@ def test_generate_matches_hf_greedy(hf_case, capsys):
 
 
 def test_entry_point_default_model(tmp_path):
-    """The Quick start path as a real process: `hmoe generate` on the embedded default."""
+    """`hmoe generate` as a real process on the synthetic twin (HMOE_DEFAULT_MODEL=synthetic):
+    created on first use in the cache. The trained default's Quick start run is
+    tests/test_train_default.py."""
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["hmoe"] == "hmoe_jax.cli:main"
     exe = shutil.which("hmoe")
@@ -121,6 +123,7 @@ def test_entry_point_default_model(tmp_path):
     env = dict(
         os.environ,
         HMOE_CACHE=str(tmp_path),
+        HMOE_DEFAULT_MODEL="synthetic",
         PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
     )
     n_new = 24
