@@ -14,7 +14,6 @@ import asyncio
 import dataclasses
 import functools
 import json
-import os
 import re
 import signal
 import subprocess
@@ -53,11 +52,9 @@ def start_server(log: Path, *extra: str, timeout_s: float = 300) -> Server:
     cmd += ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS)]
     cmd += ["--max-in-flight", str(MAX_IN_FLIGHT), "--served-model-name", MODEL, *extra]
     f = open(log, "w")  # noqa: SIM115 (the server writes it for its whole life)
-    # The synthetic byte-tokenizer twin: with the trained default's BPE a token can hold the
-    # text before a stop string AND the stop string, and the SSE path drops that last delta
-    # (hmoe_jax/serve/http.py breaks on `text.stopped` before yielding it).
-    env = dict(os.environ, HMOE_DEFAULT_MODEL="synthetic")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
+    # The shipped default (its BPE tokens carry several characters: a token can hold the
+    # text before a stop string AND the stop string, which the SSE path must still send).
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         m = re.search(r"listening on (http://\S+)", log.read_text())

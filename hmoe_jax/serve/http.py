@@ -346,6 +346,7 @@ def create_app(state: ServerState) -> FastAPI:
         pending: list[int] = []  # token ids not yet sent (their text may still be held back)
         recv_s: list[float] = []
         first, reason = True, None
+        stop_delta = ""  # text the stopping token carried before its stop string
 
         def chunk(delta: str, finish: str | None) -> str:
             nonlocal first, pending
@@ -368,10 +369,11 @@ def create_app(state: ServerState) -> FastAPI:
                     delta = text.push(tok)
                     if text.stopped:
                         state.cancel(h)
+                        stop_delta = delta
                         break
                     if delta:
                         yield chunk(delta, None)
-                tail = "" if text.stopped else text.finish()
+                tail = stop_delta if text.stopped else text.finish()
                 reason = "stop" if text.stopped else (h.request.finish_reason or "abort")
                 yield chunk(tail, reason)
                 if so.include_usage:
