@@ -255,12 +255,13 @@ def dual_vs_plain(eng, cfg, batches, rounds: int, prompt_len: int) -> tuple[list
 def _window_tpot(decodes, t0: float, t1: float) -> float | None:
     """Mean gap between a decode's tokens over the span from its last token at or before t0
     to its first token at or after t1 (a decode that stalls through the window shows the
-    stall), averaged over the decodes; None without such a span."""
+    stall; one that ended inside the window: to its last token), averaged over the decodes;
+    None without such a span."""
     per = []
     for r in decodes:
         t = r.token_s
         lo = max((i for i, x in enumerate(t) if x <= t0), default=None)
-        hi = min((i for i, x in enumerate(t) if x >= t1), default=None)
+        hi = min((i for i, x in enumerate(t) if x >= t1), default=len(t) - 1 if t else None)
         if lo is not None and hi is not None and hi > lo:
             per.append((t[hi] - t[lo]) / (hi - lo))
     return float(np.mean(per)) if per else None
@@ -310,15 +311,16 @@ def alone(backend, long_prompt, shorts, k: int, dec_tokens: int) -> dict:
     return {"ttft_s": ttft, "tpot_s": tpot}
 
 
-def mixes(name: str, backend, long_prompt, shorts, dec_tokens: int, rounds: int) -> list[dict]:
+def mixes(name: str, backend, long_prompt, shorts, dec_tokens: int, rounds: int, max_len: int) -> list[dict]:
     rows = []
+    mix_tokens = max_len - max(len(p) for p in shorts) - 1  # decodes outlast the prefill (cancelled)
     # warm: compile every prefill path (idle node, decode recent) and decode shape
     alone(backend, long_prompt, shorts, 2, dec_tokens)
-    run_mix(backend, long_prompt, shorts, 2, 10 * dec_tokens)
-    run_mix(backend, long_prompt, shorts, 1, 10 * dec_tokens)
+    run_mix(backend, long_prompt, shorts, 2, mix_tokens)
+    run_mix(backend, long_prompt, shorts, 1, mix_tokens)
     for k in (0, 1, 2):
         ref = [alone(backend, long_prompt, shorts, k, dec_tokens) for _ in range(rounds)]
-        mix = [run_mix(backend, long_prompt, shorts, k, 10 * dec_tokens) for _ in range(rounds)]
+        mix = [run_mix(backend, long_prompt, shorts, k, mix_tokens) for _ in range(rounds)]
         print(f"  [{name} k={k}] alone {ref}, mix {mix}", flush=True)
         ttft_a = statistics.median(x["ttft_s"] for x in ref)
         ttft_m = statistics.median(x["ttft_s"] for x in mix)
@@ -374,7 +376,7 @@ def main(argv: list[str] | None = None) -> dict:
     t_start = time.perf_counter()
     cfg, params, ckpt, model_desc = build_model(quick)
     batches = [1, 2, 4] if quick else [1, 2, 4, 6]
-    long_len = 160 if quick else 256
+    long_len = 160 if quick else 128
     max_len = 256 if quick else 512
     opts = dict(precision="bf16", max_len=max_len, max_batch=8)
     eng = Engine(params, cfg, devices=2, system=SystemSpec(num_accelerators=2), **opts)
@@ -390,12 +392,12 @@ def main(argv: list[str] | None = None) -> dict:
     dec_tokens = 24
     mix_rounds = 1 if quick else 2
     fcfs = Scheduler(eng, "fcfs", decode_cap=6).start()
-    rows += mixes("fcfs (no technique 3)", fcfs, long_prompt, shorts, dec_tokens, mix_rounds)
+    rows += mixes("fcfs (no technique 3)", fcfs, long_prompt, shorts, dec_tokens, mix_rounds, max_len)
     fcfs.close()
     paper = Scheduler(
         eng, "paper", decode_cap=6, chunk_tokens=64, long_prompt_tokens=long_len // 2, dual_batch="off"
     ).start()
-    rows += mixes("in-process paper policy", paper, long_prompt, shorts, dec_tokens, mix_rounds)
+    rows += mixes("in-process paper policy", paper, long_prompt, shorts, dec_tokens, mix_rounds, max_len)
     paper.close()
     eng.close()
     del eng, params
@@ -410,7 +412,7 @@ def main(argv: list[str] | None = None) -> dict:
     ).wait_ready(900)
     pd_start_s = time.perf_counter() - t0
     try:
-        rows += mixes("P/D disaggregation", pd, long_prompt, shorts, dec_tokens, mix_rounds)
+        rows += mixes("P/D disaggregation", pd, long_prompt, shorts, dec_tokens, mix_rounds, max_len)
         pss = pd.weight_pss()
     finally:
         pd.close()
