@@ -16,6 +16,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from records import newest  # noqa: E402  (paper_figs/records.py)
 
 ORDER = ["fp8_ours", "int4_ours", "bf16_torch", "f32_blas", "bf16_xla", "f32_xla", "xla_dequant"]
 LABEL = {
@@ -38,19 +39,12 @@ COLOR = {
 }
 
 
-def newest_record() -> Path:
-    found = sorted(Path("results").glob("e01_fp8_gemv_*.json"))
-    if not found:
-        raise SystemExit("no results/e01_fp8_gemv_*.json: run python -m experiments.e01_fp8_gemv first")
-    return found[-1]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("record", nargs="?", type=Path)
     ap.add_argument("--out", type=Path, default=Path("paper_figs/e01_fp8_gemv.png"))
     a = ap.parse_args()
-    rec = json.loads((a.record or newest_record()).read_text())
+    rec = json.loads((a.record or newest("e01_fp8_gemv")).read_text())
     rows = rec["rows"]
     threads = sorted({r["threads"] for r in rows}, reverse=True)
     shapes = list(dict.fromkeys(r["shape"] for r in rows))

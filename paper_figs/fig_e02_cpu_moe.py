@@ -17,6 +17,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from records import newest  # noqa: E402  (paper_figs/records.py)
 
 STYLE = {
     "fp8_fine": ("#c44e52", "-", "ours FP8, fine"),
@@ -29,19 +30,12 @@ STYLE = {
 }
 
 
-def newest_record() -> Path:
-    found = sorted(Path("results").glob("e02_cpu_moe_*.json"))
-    if not found:
-        raise SystemExit("no results/e02_cpu_moe_*.json: run python -m experiments.e02_cpu_moe first")
-    return found[-1]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("record", type=Path, nargs="?")
     ap.add_argument("--out", type=Path, default=Path("paper_figs/e02_cpu_moe.png"))
     args = ap.parse_args()
-    path = args.record or newest_record()
+    path = args.record or newest("e02_cpu_moe")
     rec = json.loads(path.read_text())
     rows, summary = rec["rows"], rec["summary"]
 

@@ -17,13 +17,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-
-
-def newest(name: str) -> Path:
-    found = sorted(Path("results").glob(f"{name}_*.json"))
-    if not found:
-        raise SystemExit(f"no results/{name}_*.json: run python -m experiments.{name} first")
-    return found[-1]
+from records import newest  # noqa: E402  (paper_figs/records.py)
 
 
 def main() -> None:

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 from pathlib import Path
 
@@ -19,15 +18,9 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from records import newest  # noqa: E402  (paper_figs/records.py)
 
 MB_COLORS = {"mb0": "#4c72b0", "mb1": "#dd8452"}
-
-
-def latest(pattern: str) -> Path:
-    files = sorted(glob.glob(pattern))
-    if not files:
-        raise SystemExit(f"no record matches {pattern}; run python -m experiments.e06_concurrency first")
-    return Path(files[-1])
 
 
 def panel_batch(ax, rec: dict) -> None:
@@ -106,7 +99,7 @@ def main() -> None:
     ap.add_argument("record", nargs="?", type=Path)
     ap.add_argument("--out", type=Path, default=Path("paper_figs/e06_concurrency.png"))
     args = ap.parse_args()
-    path = args.record or latest("results/e06_concurrency_*.json")
+    path = args.record or newest("e06_concurrency")
     rec = json.loads(path.read_text())
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), gridspec_kw={"width_ratios": [1, 1.6, 1.3]})
     panel_batch(axes[0], rec)

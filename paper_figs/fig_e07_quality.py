@@ -17,13 +17,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-
-
-def newest_record() -> Path:
-    found = sorted(Path("results").glob("e07_quality_*.json"))
-    if not found:
-        raise SystemExit("no results/e07_quality_*.json: run python -m experiments.e07_quality first")
-    return found[-1]
+from records import newest  # noqa: E402  (paper_figs/records.py)
 
 
 def main() -> None:
@@ -31,7 +25,7 @@ def main() -> None:
     ap.add_argument("record", nargs="?", type=Path)
     ap.add_argument("--out", type=Path, default=Path("paper_figs/e07_quality.png"))
     args = ap.parse_args()
-    rec = json.loads((args.record or newest_record()).read_text())
+    rec = json.loads((args.record or newest("e07_quality")).read_text())
     rows = [r for r in rec["rows"] if r["variant"] != "bf16"]
     base = next(r for r in rec["rows"] if r["variant"] == "bf16")
     names = [r["variant"].replace("_", "\n") + f"\n(top-{r['experts_per_token']})" for r in rows]

@@ -17,15 +17,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-
-
-def newest_record() -> Path:
-    found = sorted(Path("results").glob("e22_batched_decode_*.json"))
-    if not found:
-        raise SystemExit(
-            "no results/e22_batched_decode_*.json: run python -m experiments.e22_batched_decode first"
-        )
-    return found[-1]
+from records import newest  # noqa: E402  (paper_figs/records.py)
 
 
 def main() -> None:
@@ -33,7 +25,7 @@ def main() -> None:
     ap.add_argument("record", nargs="?", type=Path)
     ap.add_argument("--out", type=Path, default=Path("paper_figs/e22_batched_decode.png"))
     args = ap.parse_args()
-    path = args.record or newest_record()
+    path = args.record or newest("e22_batched_decode")
     rec = json.loads(path.read_text())
     rows = sorted(rec["rows"], key=lambda r: r["batch"])
     b = [r["batch"] for r in rows]
