@@ -298,15 +298,24 @@ def run_mix(backend, long_prompt, shorts, k: int, dec_tokens: int) -> dict:
     return out
 
 
-def alone(backend, long_prompt, shorts, k: int, dec_tokens: int) -> dict:
+def alone(backend, long_prompt, shorts, k: int, dec_tokens: int, max_tokens: int) -> dict:
+    """The long prompt alone (TTFT); then k decodes alone: each may take max_tokens (a
+    backend that prefills one request at a time, like P/D, starts them a prefill apart), and
+    once all k decode, dec_tokens steps of all k are timed and the decodes cancelled."""
     ttft = backend.submit(long_prompt, greedy(2)).result(1800).timings()["ttft_s"]
     tpot = None
     if k:
-        hs = [backend.submit(p, greedy(dec_tokens)) for p in shorts[:k]]
-        rs = [h.result(1800) for h in hs]
-        # from when all k decode (their second token: the first may come from another
-        # process, after a handover), to when the first of them ends
-        start = max(r.token_s[1] for r in rs)
+        hs = [backend.submit(p, greedy(max_tokens)) for p in shorts[:k]]
+        _wait_tokens(hs, 2, 1800)  # the second token: the first may come from another process
+        start = max(h.request.token_s[1] for h in hs)
+        deadline = time.monotonic() + 600
+        while any(sum(1 for t in h.request.token_s if t > start) < dec_tokens for h in hs):
+            if time.monotonic() > deadline:
+                raise TimeoutError("decodes stalled")
+            time.sleep(0.002)
+        for h in hs:
+            h.cancel()
+        rs = [h.result(600) for h in hs]
         tpot = _window_tpot(rs, start, min(r.token_s[-1] for r in rs))
     return {"ttft_s": ttft, "tpot_s": tpot}
 
@@ -315,11 +324,11 @@ def mixes(name: str, backend, long_prompt, shorts, dec_tokens: int, rounds: int,
     rows = []
     mix_tokens = max_len - max(len(p) for p in shorts) - 1  # decodes outlast the prefill (cancelled)
     # warm: compile every prefill path (idle node, decode recent) and decode shape
-    alone(backend, long_prompt, shorts, 2, dec_tokens)
+    alone(backend, long_prompt, shorts, 2, dec_tokens, mix_tokens)
     run_mix(backend, long_prompt, shorts, 2, mix_tokens)
     run_mix(backend, long_prompt, shorts, 1, mix_tokens)
     for k in (0, 1, 2):
-        ref = [alone(backend, long_prompt, shorts, k, dec_tokens) for _ in range(rounds)]
+        ref = [alone(backend, long_prompt, shorts, k, dec_tokens, mix_tokens) for _ in range(rounds)]
         mix = [run_mix(backend, long_prompt, shorts, k, mix_tokens) for _ in range(rounds)]
         print(f"  [{name} k={k}] alone {ref}, mix {mix}", flush=True)
         ttft_a = statistics.median(x["ttft_s"] for x in ref)
