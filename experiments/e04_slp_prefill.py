@@ -100,6 +100,7 @@ def max_prompt_within(cfg, prof, sched: str, budget_s: float, lo: int, hi: int, 
 
 
 def projection(quick: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    from experiments.common.simval import prefill_projection_row
     from hmoe_jax.config import named_model_config
     from hmoe_jax.plan.format import Plan
     from hmoe_jax.sim.profile import load_profile
@@ -116,28 +117,7 @@ def projection(quick: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     for n in lengths:
         for sched in ("cpu", "slp"):
             r = _ttft(cfg, prof, sched, n)
-            rows.append(
-                {
-                    "part": "projection",
-                    "model": "deepseek_v3",
-                    "profile": prof.name,
-                    "accelerators": 1,
-                    **{
-                        k: r[k]
-                        for k in (
-                            "schedule",
-                            "prompt_len",
-                            "ttft_s",
-                            "prefill_tok_per_s",
-                            "fits",
-                            "memory_message",
-                        )
-                    },
-                    "bound": r["binding"]["prefill"],
-                    "binding_share": r["prefill"]["binding_share"],
-                    "op_s_by_kind": {k: round(v["op_s"], 3) for k, v in r["prefill"]["by_kind"].items()},
-                }
-            )
+            rows.append(prefill_projection_row(r, prof))
             if sched == "slp" and n >= 8192:  # what-if: the same plan with FP8 GEMMs (not what runs)
                 plan, _ = build_plan(cfg, prof, "slp", n, kv_rows=1, max_len=n + 1)
                 fp8 = Plan(plan.schedule, plan.num_tokens, plan.ops, {**plan.meta, "compute_dtype": "fp8"})

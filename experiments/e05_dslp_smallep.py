@@ -127,6 +127,7 @@ def measured_here(quick: bool) -> list[dict[str, Any]]:
 
 
 def projection(quick: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    from experiments.common.simval import prefill_projection_row
     from experiments.e04_slp_prefill import max_prompt_within
     from hmoe_jax.config import named_model_config
     from hmoe_jax.sim.profile import load_profile
@@ -140,26 +141,7 @@ def projection(quick: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     for n in lengths:
         for sched, prof in (("dslp", p2), ("slp", p1)):
             r = simulate_request(cfg, prof, sched, n)
-            row = {
-                "part": "projection",
-                "model": "deepseek_v3",
-                "profile": prof.name,
-                "accelerators": prof.accelerators,
-                **{
-                    k: r[k]
-                    for k in (
-                        "schedule",
-                        "prompt_len",
-                        "ttft_s",
-                        "prefill_tok_per_s",
-                        "fits",
-                        "memory_message",
-                    )
-                },
-                "bound": r["binding"]["prefill"],
-                "binding_share": r["prefill"]["binding_share"],
-                "op_s_by_kind": {k: round(v["op_s"], 3) for k, v in r["prefill"]["by_kind"].items()},
-            }
+            row = prefill_projection_row(r, prof)
             if sched == "dslp":  # what-if: the same plan with bf16 GEMMs (not what the engine runs)
                 plan, _ = build_plan(cfg, prof, "dslp", n)
                 row["whatif_bf16_ttft_s"] = time_plan(_with_dtype(plan, "bf16"), cfg, prof).total_s

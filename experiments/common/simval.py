@@ -200,3 +200,21 @@ def errors(pairs: list[tuple[float, float]]) -> dict[str, Any]:
         "max_abs_pct": max(abs(e) for e in errs),
         "n": len(errs),
     }
+
+
+PROJECTION_KEYS = ("schedule", "prompt_len", "ttft_s", "prefill_tok_per_s", "fits", "memory_message")
+
+
+def prefill_projection_row(r: dict[str, Any], prof: Any) -> dict[str, Any]:
+    """One prefill projection of DeepSeek-V3 on `prof` (a simulate_request result) as a
+    record row: its times, the resource that bound it and the op time per kind."""
+    return {
+        "part": "projection",
+        "model": "deepseek_v3",
+        "profile": prof.name,
+        "accelerators": prof.accelerators,
+        **{k: r[k] for k in PROJECTION_KEYS},
+        "bound": r["binding"]["prefill"],
+        "binding_share": r["prefill"]["binding_share"],
+        "op_s_by_kind": {k: round(v["op_s"], 3) for k, v in r["prefill"]["by_kind"].items()},
+    }
