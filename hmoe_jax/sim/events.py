@@ -108,6 +108,12 @@ class Simulator:
         self._pending: list[tuple[float, int]] = []  # (start_s, run) not yet started
         self._dirty: set[tuple[Any, str]] = set()  # queues that may have an op to start
         self.busy_s: dict[str, float] = {}  # resource -> integral of its used fraction
+        self._open = 0  # runs submitted and not finished
+
+    @property
+    def idle(self) -> bool:
+        """No run is in flight or waiting to start: what runs next runs alone."""
+        return self._open == 0
 
     # ------------------------------------------------------------ building
 
@@ -144,6 +150,7 @@ class Simulator:
             self._queues.setdefault(queue, {}).setdefault(rid, deque()).append(g)
             self._busy.setdefault(queue, None)
         run.left = len(plan.ops)
+        self._open += run.left > 0
         if run.left == 0:
             run.started, run.end_s = True, start
         else:
@@ -170,6 +177,20 @@ class Simulator:
                 if t_s is not None:
                     self.now_s = max(self.now_s, t_s)
                 return self.now_s
+
+    def run_until_any(self, rids: list[int], *, t_s: float | None = None) -> float:
+        """Advance until one of the runs `rids` is finished, or to time t_s (whichever comes
+        first); returns the clock. A serving loop waits like this on its background runs."""
+        while not any(self.done(r) for r in rids):
+            if t_s is not None and self.now_s >= t_s - _tol(t_s):
+                self.now_s = max(self.now_s, t_s)
+                break
+            if not self._step(t_s):
+                if t_s is None:
+                    raise SimError(f"simulator: none of runs {rids} can finish")
+                self.now_s = max(self.now_s, t_s)
+                break
+        return self.now_s
 
     def _start_runs(self) -> None:
         while self._pending and self._pending[0][0] <= self.now_s + _tol(self.now_s):
@@ -203,7 +224,10 @@ class Simulator:
             if g is None:
                 continue
             o = self.ops[g]
-            self._queues[queue][o.run].popleft()
+            dq = self._queues[queue][o.run]
+            dq.popleft()
+            if not dq:  # a finished run leaves its queues (serving submits thousands of runs)
+                del self._queues[queue][o.run]
             self._busy[queue] = g
             o.start_s = self.now_s
             self._enter_phase(g)
@@ -316,6 +340,7 @@ class Simulator:
         run.left -= 1
         if run.left == 0:
             run.end_s = self.now_s
+            self._open -= 1
 
     # ------------------------------------------------------------ reading
 

@@ -145,8 +145,11 @@ class Profile:
         }
 
     def with_accelerators(self, n: int) -> Profile:
-        """The same box using only its first n accelerators."""
-        if not 1 <= n <= self.accelerators:
+        """The same box using only its first n accelerators. A box whose accelerators are
+        stand-ins on the host's cores (placement "host") can have any number: each is one more
+        XLA CPU device on the same cores and DRAM (what `--devices N` does here)."""
+        stand_in = self.values["accelerator"]["placement"] == "host"
+        if not (1 <= n <= self.accelerators or (stand_in and n >= 1)):
             raise ConfigError(
                 f"profile {self.name!r}: {n} accelerators requested, it has {self.accelerators}"
             )

@@ -1,0 +1,491 @@
+"""Serving on a simulated clock: the request scheduler's own policies drive the simulator.
+
+One policy implementation, two clocks. serve/scheduler.py asks a policy (hmoe_jax.policies)
+what to run each iteration and runs it on the engine against the wall clock; SimServer asks
+the SAME policy object the same question, with a View built the same way, and runs the
+answer as the engine's own plans (built by the engine's schedules for the profile's box) on
+sim/events.Simulator's clock. The loop mirrors Scheduler.step:
+
+1. take the requests that have arrived and the cancellations that are due;
+2. adopt finished background prefills (their KV copied into the request's pool row, then
+   the first token);
+3. build the View (free pool rows, waiting requests FCFS with the prompt tokens already
+   chunked, decoding, background, last decode time, measured per-layer (A, M) times);
+4. run the actions in order: a foreground Prefill or a Chunk runs to its end before the
+   next action (the scheduler waits for it); a background Prefill is submitted on its
+   accelerators and runs on while later iterations decode (it shares the host's DRAM and
+   cores, and the link, with them: the simulator's resources); a Decode is one step of the
+   cpu schedule's decode plan for its rows (two micro-batches: two plans sharing one lock
+   per resource, as engine/dual.py runs them); measure=True reads the step's per-layer
+   accelerator and CPU-expert times off the simulated timeline, as the scheduler reads them
+   off its trace.
+   When nothing ran, the clock moves to the next arrival, cancellation, handover or
+   background prefill end.
+
+`pd=True` is intra-node P/D disaggregation (serve/pd.py): every prompt is prefilled by a
+prefill worker on accelerator 1 (one at a time, FCFS, `pd_schedule`), whose first token
+streams at once; its KV cache is handed over (exported and imported through host shared
+memory: priced as two host copies of the KV bytes, plus device copies on a real
+accelerator), and the request joins the decode worker's batch on accelerator 0.
+
+Requests have forced output lengths (the replay of a measured run gives each request the
+tokens it produced), so simulated and measured requests do the same work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+from hmoe_jax.config import ModelConfig
+from hmoe_jax.plan import costs
+from hmoe_jax.plan.format import Plan
+from hmoe_jax.policies.base import Chunk, Decode, Pending, Policy, Prefill, View
+from hmoe_jax.policies.registry import DEFAULT_POLICY, get_policy
+from hmoe_jax.sim.events import SimError, Simulator
+from hmoe_jax.sim.pricing import pricer
+from hmoe_jax.sim.profile import Profile
+from hmoe_jax.sim.reads import with_reads
+from hmoe_jax.sim.run import build_plan
+
+GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class SimRequest:
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int  # forced: the request ends after this many tokens (the first included)
+    cancel_s: float | None = None  # cancelled then, if not finished
+
+    def check(self, cfg: ModelConfig, max_len: int) -> SimRequest:
+        if self.prompt_tokens < 1 or self.output_tokens < 1 or self.arrival_s < 0:
+            raise SimError(f"sim request: {self} (prompt and output need >= 1 token, arrival >= 0)")
+        if self.prompt_tokens + self.output_tokens > max_len:
+            raise SimError(
+                f"sim request: prompt {self.prompt_tokens} + output {self.output_tokens} tokens exceed "
+                f"the KV row length of {max_len}"
+            )
+        return self
+
+
+@dataclasses.dataclass
+class SimResult:
+    """One request as the simulated server ran it (times in simulated seconds)."""
+
+    id: int
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    state: str = "waiting"  # waiting | chunking | background | handover | decoding | done
+    prefilled: int = 0
+    started_s: float | None = None
+    first_token_s: float | None = None
+    token_s: list[float] = dataclasses.field(default_factory=list)
+    finished_s: float | None = None
+    finish_reason: str | None = None
+    schedule: str = ""
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def timings(self) -> dict[str, Any]:
+        """As Request.timings(): queue_s, ttft_s, tpot_s (mean gap after the first), e2e_s."""
+        t = self.token_s
+        gaps = [b - a for a, b in zip(t, t[1:])]
+        return {
+            "queue_s": None if self.started_s is None else self.started_s - self.arrival_s,
+            "ttft_s": None if self.first_token_s is None else self.first_token_s - self.arrival_s,
+            "tpot_s": statistics.mean(gaps) if gaps else None,
+            "e2e_s": None if self.finished_s is None else self.finished_s - self.arrival_s,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": len(t),
+        }
+
+
+class _PDPolicy(Policy):
+    """What serve/pd.py does, as a policy the loop can run: the prefill worker takes the
+    oldest waiting request when it is free; the decode worker batches up to decode_cap."""
+
+    name = "pd"
+    defaults = {"decode_cap": 6, "schedule": "slp"}
+
+    def decide(self, view: View) -> tuple:
+        acts: list = []
+        if view.waiting and not view.background and view.free_rows > 0:
+            acts.append(Prefill(view.waiting[0].id, str(self.options["schedule"]), (1,), background=True))
+        if view.decoding:
+            acts.append(Decode(view.decoding[: int(self.options["decode_cap"])]))
+        return tuple(acts)
+
+
+class SimServer:
+    """A simulated serving engine on `profile` (its accelerator count unless `devices`).
+
+    max_batch / max_len: the KV pool (rows, tokens per row) the engine would have;
+    kv_value_bytes: bytes per cached value (2: the bf16 policy). policy: a registered name
+    or a Policy (options as for Scheduler); pd: P/D disaggregation instead (pd_schedule for
+    every prefill, decode_cap from the options). last_decode_s: the server's history (the
+    paper policy's idle window reads it; None: it never decoded)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        profile: Profile,
+        policy: str | Policy = DEFAULT_POLICY,
+        *,
+        devices: int | None = None,
+        max_batch: int = 8,
+        max_len: int = 4096,
+        expert_format: str = "fp8",
+        kv_value_bytes: int = 2,
+        pd: bool = False,
+        pd_schedule: str = "slp",
+        last_decode_s: float | None = None,
+        **policy_options: Any,
+    ):
+        self.cfg = cfg
+        self.devices = int(devices or profile.accelerators)
+        self.profile = profile.with_accelerators(self.devices)
+        if pd:
+            if self.devices < 2:
+                raise SimError("sim P/D: needs 2 accelerators (a prefill and a decode worker)")
+            self.policy: Policy = _PDPolicy(schedule=pd_schedule, **policy_options)
+        elif isinstance(policy, str):
+            self.policy = get_policy(policy, **policy_options)
+        else:
+            self.policy = policy
+        self.pd = pd
+        self.max_batch, self.max_len = int(max_batch), int(max_len)
+        self.expert_format = expert_format
+        self.kv_value_bytes = int(kv_value_bytes)
+        price = pricer(self.profile, cfg)
+        memo: dict[tuple, tuple] = {}
+
+        def priced(plan: Plan, i: int, devs: tuple[int, ...]) -> tuple:
+            # plans are built once per shape (self._plans): price each op once
+            key = (id(plan), i, devs)
+            if key not in memo:
+                memo[key] = price(plan, i, devs)
+            return memo[key]
+
+        self._price = priced
+        self.sim = Simulator(priced)
+        self._alone: dict[tuple, float] = {}
+        self.step_s = float(self.profile.get("overheads", "step_s", 0.0))
+        self._sub: dict[int, Profile] = {}
+        self._plans: dict[tuple, tuple[Plan, str | None]] = {}
+        self.layer_times: dict[int, tuple[float, float]] = {}
+        self.step_times: dict[tuple[int, int], float] = {}
+        self.last_decode_s = last_decode_s  # 0.0: start as a server that has just decoded
+        self.log: list[dict[str, Any]] = []
+        self.no_fit: list[str] = []
+
+    # ------------------------------------------------------------ plans
+
+    def _plan(self, schedule: str, n_dev: int, tokens: int, start_pos: int = 0, batch: int = 1) -> Plan:
+        key = (schedule, n_dev, tokens, start_pos, batch)
+        if key not in self._plans:
+            if n_dev not in self._sub:
+                self._sub[n_dev] = self.profile.with_accelerators(n_dev)
+            opts: dict[str, Any] = {"kv_rows": self.max_batch, "max_len": self.max_len}
+            if batch > 1:
+                opts["batch"] = batch
+            plan, msg = build_plan(self.cfg, self._sub[n_dev], schedule, tokens, start_pos=start_pos, **opts)
+            self._plans[key] = (with_reads(plan, self.cfg, self.expert_format), msg)
+        plan, msg = self._plans[key]
+        if msg and msg not in self.no_fit:
+            self.no_fit.append(msg)  # timed as if it fitted; the engine would refuse it
+        return plan
+
+    def _decode_plan(self, rows: list[SimResult]) -> Plan:
+        pos = max(r.prompt_tokens + len(r.token_s) - 1 for r in rows)
+        # a decode step's cost depends on its position only through the attended cache
+        # slots, a power-of-two bucket (costs.decode_kv_len): one plan per bucket
+        bucket_pos = max(costs.decode_kv_len(pos + 1) - 1, pos)
+        return self._plan("cpu", 1, 1, min(bucket_pos, self.max_len - 1), len(rows))
+
+    def _kv_bytes(self, tokens: int) -> int:
+        c = self.cfg
+        per_token = (c.kv_lora_rank + c.qk_rope_head_dim) * c.num_hidden_layers * self.kv_value_bytes
+        return per_token * tokens
+
+    def _kv_move_s(self, tokens: int, through_host_shm: bool) -> float:
+        """Moving a prefilled KV cache between accelerators: a stand-in's is a host copy; a
+        real accelerator's goes out over its link and in over the other's (no P2P). P/D adds
+        the export into and import out of a shared-memory segment (two host copies)."""
+        nbytes = self._kv_bytes(tokens)
+        link = self.profile.values["link"]
+        host_copy = float(self.profile.get("cpu", "copy_gbps", link["h2d_gbps"])) * GB
+        on_host = self.profile.values["accelerator"]["placement"] == "host"
+        dev = 0.0 if on_host else nbytes / (link["d2h_gbps"] * GB) + nbytes / (link["h2d_gbps"] * GB)
+        host = (2 if through_host_shm else 1) * nbytes / host_copy if (on_host or through_host_shm) else 0.0
+        return dev + host + float(self.profile.get("overheads", "hop_s", 0.0))
+
+    # ------------------------------------------------------------ the loop
+
+    def run(
+        self,
+        requests: list[SimRequest],
+        *,
+        stop: Callable[[list[SimResult]], bool] | None = None,
+        max_iterations: int = 10_000_000,
+    ) -> list[SimResult]:
+        """Serve `requests` until all are done (or `stop(results)` holds at the start of an
+        iteration: an experiment that needs only a window ends there)."""
+        reqs = [r.check(self.cfg, self.max_len) for r in requests]
+        results = [SimResult(i, r.arrival_s, r.prompt_tokens, r.output_tokens) for i, r in enumerate(reqs)]
+        arrivals = sorted(range(len(reqs)), key=lambda i: (reqs[i].arrival_s, i))
+        cancels = sorted((r.cancel_s, i) for i, r in enumerate(reqs) if r.cancel_s is not None)
+        order: list[int] = []  # waiting / chunking, FCFS
+        live: dict[int, SimResult] = {}
+        lanes: dict[int, int] = {}  # request -> its background run
+        ready: dict[int, float] = {}  # P/D: request -> when its handed-over KV is in place
+        rows_used = 0
+        sim = self.sim
+
+        def finish(r: SimResult, reason: str) -> None:
+            nonlocal rows_used
+            if r.started_s is not None:  # admitted: it holds a pool row
+                rows_used -= 1
+            r.state, r.finish_reason, r.finished_s = "done", reason, sim.now_s
+            live.pop(r.id, None)
+            lanes.pop(r.id, None)
+            ready.pop(r.id, None)
+            if r.id in order:
+                order.remove(r.id)
+
+        def emit(r: SimResult) -> None:
+            r.token_s.append(sim.now_s)
+            if r.first_token_s is None:
+                r.first_token_s = sim.now_s
+            if len(r.token_s) >= r.output_tokens:
+                finish(r, "length")
+
+        def admit(r: SimResult) -> None:
+            nonlocal rows_used
+            rows_used += 1
+            r.started_s = sim.now_s
+
+        for _ in range(max_iterations):
+            if stop is not None and stop(results):
+                return results
+            now = sim.now_s
+            while arrivals and reqs[arrivals[0]].arrival_s <= now + 1e-12:
+                i = arrivals.pop(0)
+                live[i] = results[i]
+                order.append(i)
+            while cancels and cancels[0][0] <= now + 1e-12:
+                _, i = cancels.pop(0)
+                if results[i].state != "done" and i in live:
+                    finish(results[i], "cancelled")
+            ran = False
+            for i, rid in list(lanes.items()):  # adopt finished background prefills
+                if not sim.done(rid):
+                    continue
+                ran = True
+                r = results[i]
+                del lanes[i]
+                if self.pd:  # the prefill worker streams the first token, then hands the KV over
+                    sim.run_until(t_s=sim.now_s + self.step_s)
+                    emit(r)
+                    if r.state != "done":
+                        r.state = "handover"
+                        ready[i] = sim.now_s + self._kv_move_s(r.prompt_tokens, True)
+                    continue
+                sim.run_until(t_s=sim.now_s + self._kv_move_s(r.prompt_tokens, False) + self.step_s)
+                r.state = "decoding"
+                emit(r)
+            for i, t in list(ready.items()):
+                if t <= sim.now_s + 1e-12:
+                    del ready[i]
+                    results[i].state = "decoding"
+            view = self._view(results, order, live, rows_used)
+            actions = self.policy.decide(view)
+            if actions:
+                self.log.append({"t_s": view.now_s, "actions": [_describe(a) for a in actions]})
+            for a in actions:
+                ran = True
+                r = results[a.request] if not isinstance(a, Decode) else None
+                if isinstance(a, Prefill):
+                    order.remove(a.request)
+                    admit(r)
+                    r.schedule = a.schedule
+                    if a.background:  # a prefill lane: an engine view on those accelerators
+                        plan = self._plan(a.schedule, len(a.devices), r.prompt_tokens)
+                        lanes[a.request] = sim.submit(plan, devices=tuple(a.devices), label=f"prefill{r.id}")
+                        r.state = "background"
+                        r.schedule = plan.schedule
+                        continue
+                    # the engine's own prefill: every accelerator it has (slp/cpu use one)
+                    plan = self._plan(a.schedule, self.devices, r.prompt_tokens)
+                    r.schedule = plan.schedule
+                    sim.run_until(rid=sim.submit(plan, label=f"prefill{r.id}"))
+                    sim.run_until(t_s=sim.now_s + self.step_s)
+                    r.state, r.prefilled = "decoding", r.prompt_tokens
+                    emit(r)
+                elif isinstance(a, Chunk):
+                    if r.started_s is None:
+                        admit(r)
+                    r.state, r.schedule = "chunking", "cpu (chunked)"
+                    plan = self._plan("cpu", 1, a.end - r.prefilled, r.prefilled)
+                    sim.run_until(rid=sim.submit(plan, label=f"chunk{r.id}"))
+                    r.prefilled = a.end
+                    if a.end >= r.prompt_tokens:
+                        order.remove(a.request)
+                        sim.run_until(t_s=sim.now_s + self.step_s)
+                        r.state = "decoding"
+                        emit(r)
+                elif isinstance(a, Decode):
+                    self._decode([results[i] for i in a.requests], a, emit)
+            if not ran:
+                nxt = [reqs[arrivals[0]].arrival_s] if arrivals else []
+                nxt += [cancels[0][0]] if cancels else []
+                nxt += list(ready.values())
+                t_next = min(nxt) if nxt else None
+                if lanes:
+                    sim.run_until_any(list(lanes.values()), t_s=t_next)
+                elif t_next is not None:
+                    sim.run_until(t_s=t_next)
+                elif live:
+                    raise SimError(
+                        f"sim serve: policy {self.policy.name!r} runs nothing with requests "
+                        f"{sorted(live)} left and nothing to wait for"
+                    )
+                else:
+                    return results
+        raise SimError(f"sim serve: not finished after {max_iterations} iterations")
+
+    def _view(self, results, order, live, rows_used) -> View:
+        return View(
+            now_s=self.sim.now_s,
+            devices=self.devices,
+            free_rows=self.max_batch - rows_used,
+            waiting=tuple(
+                Pending(i, results[i].prompt_tokens, results[i].prefilled, results[i].arrival_s)
+                for i in order
+            ),
+            decoding=tuple(i for i, r in live.items() if r.state == "decoding"),
+            background=tuple(i for i, r in live.items() if r.state == "background"),
+            last_decode_s=self.last_decode_s,
+            layer_times=dict(self.layer_times),
+            step_times=dict(self.step_times),
+        )
+
+    def _decode(self, rows: list[SimResult], a: Decode, emit) -> None:
+        sim = self.sim
+        if a.micro_batches >= 2 and len(rows) >= 2:
+            h = (len(rows) + 1) // 2
+            groups = [rows[:h], rows[h:]]
+        else:
+            groups = [rows]
+        tag = ("decode", len(self.log))
+        t0 = sim.now_s
+        plans = [self._decode_plan(g) for g in groups]
+        if sim.idle and not a.measure:
+            # nothing else in flight: the step takes what it takes alone (the same plans
+            # always take the same time), so the clock jumps instead of replaying its ops
+            key = tuple(id(p) for p in plans)
+            if key not in self._alone:
+                solo = Simulator(self._price)
+                ids = [solo.submit(p, group="step") for p in plans]
+                self._alone[key] = max(solo.run_until(rid=r) for r in ids)
+            sim.run_until(t_s=sim.now_s + self._alone[key] + self.step_s)
+        else:
+            rids = [sim.submit(p, group=tag, label=f"decode{len(g)}") for p, g in zip(plans, groups)]
+            for rid in rids:
+                sim.run_until(rid=rid)
+            sim.run_until(t_s=sim.now_s + self.step_s)
+            if a.measure:
+                self.step_times[(len(rows), len(groups))] = sim.now_s - t0
+                for g, rid in zip(groups, rids):
+                    self.layer_times[len(g)] = layer_times(sim.timeline(rid))
+        self.last_decode_s = sim.now_s
+        for r in rows:
+            emit(r)
+
+
+def _describe(a: Any) -> dict[str, Any]:
+    """An action as the scheduler logs it (kind + fields)."""
+    return {**dataclasses.asdict(a), "kind": type(a).__name__.lower()}
+
+
+def layer_times(timeline: list[dict[str, Any]]) -> tuple[float, float]:
+    """(A, M) of one simulated decode step, as engine/dual.layer_times reads a trace:
+    per MoE layer, accelerator seconds and CPU routed-expert seconds, medians over layers."""
+    acc: dict[int, float] = {}
+    cpu: dict[int, float] = {}
+    for r in timeline:
+        layer = -1 if r["layer"] is None else int(r["layer"])
+        if r["queue"] == "cpu_experts":
+            cpu[layer] = cpu.get(layer, 0.0) + r["dur_s"]
+        elif str(r["queue"]).startswith("acc") and layer >= 0:
+            acc[layer] = acc.get(layer, 0.0) + r["dur_s"]
+    moe = sorted(cpu)
+    if not moe:
+        raise SimError("layer_times: the step has no CPU expert ops (a dense model?)")
+    return (
+        float(statistics.median(acc.get(i, 0.0) for i in moe)),
+        float(statistics.median(cpu[i] for i in moe)),
+    )
+
+
+def decode_step_s(cfg: ModelConfig, profile: Profile, batch: int, context: int) -> float:
+    """One decode step of `batch` rows at `context` alone on the profile's box (as the
+    serving loop prices it: the plan, then the host's step work)."""
+    srv = SimServer(cfg, profile, "fcfs", max_batch=batch, max_len=context + 64)
+    sim = Simulator(pricer(srv.profile, cfg))
+    return sim.run_until(rid=sim.submit(srv._plan("cpu", 1, 1, context, batch))) + srv.step_s
+
+
+def decode_arms(
+    cfg: ModelConfig, profile: Profile, batch: int, context: int, *, max_len: int | None = None
+) -> dict[str, Any]:
+    """One decode step of `batch` rows at `context`, three ways (e06's part 2 on the
+    simulator): plain (one batch), sequential (its two halves one after the other), dual
+    (the halves overlapped, sharing one lock per resource); and (A, M) per MoE layer of a
+    half-batch and a full-batch step, read off the simulated timelines."""
+    if batch < 2:
+        raise SimError(f"decode_arms: batch {batch}; two micro-batches need >= 2 rows")
+    length = max_len or context + 64
+    srv = SimServer(cfg, profile, "fcfs", max_batch=batch, max_len=length)
+    h = (batch + 1) // 2
+    out: dict[str, Any] = {}
+
+    def step(groups: list[int]) -> tuple[float, list[tuple[float, float]]]:
+        sim = Simulator(pricer(srv.profile, cfg))
+        plans = [srv._plan("cpu", 1, 1, context, g) for g in groups]
+        rids = [sim.submit(p, group="dual") for p in plans]
+        end = max(sim.run_until(rid=r) for r in rids) + srv.step_s
+        return end, [layer_times(sim.timeline(r)) for r in rids]
+
+    out["plain_step_s"], (full,) = step([batch])
+    half_s, (half,) = step([h])
+    rest_s = step([batch - h])[0] if batch - h != h else half_s
+    out["sequential_step_s"] = half_s + rest_s
+    out["dual_step_s"] = step([h, batch - h])[0] if batch >= 2 else out["plain_step_s"]
+    out["attn_layer_s"], out["moe_layer_s"] = half
+    out["full_attn_layer_s"], out["full_moe_layer_s"] = full
+    return out
+
+
+def from_replay(logs: list[dict[str, Any]], origin_s: float = 0.0) -> list[SimRequest]:
+    """SimRequests replaying measured requests (experiments' replay logs: arrival_s,
+    prompt_tokens, token_s): the same arrivals (shifted by origin_s), prompts and output
+    lengths. A request that produced no token is left out (it never got that far)."""
+    return [
+        SimRequest(float(x["arrival_s"]) - origin_s, int(x["prompt_tokens"]), len(x["token_s"]))
+        for x in logs
+        if x["token_s"]
+    ]
+
+
+__all__ = [
+    "SimRequest",
+    "SimResult",
+    "SimServer",
+    "decode_arms",
+    "decode_step_s",
+    "from_replay",
+    "layer_times",
+]

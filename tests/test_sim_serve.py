@@ -1,0 +1,194 @@
+"""The request scheduler's policies on the simulated clock (hmoe_jax/sim/serve.py).
+
+Checked against independent paths: a request alone takes exactly what sim/run.py's
+single-plan timing gives its prefill and decode plans; fcfs stalls decoding for a whole
+prefill while the paper policy's background lane keeps it going; every request gets its
+forced tokens and every pool row comes back (a policy wrapper checks the views); the paper
+policy's dual "auto" picks the arm that the simulator's own step times favour. Then the
+tiny model served by the real Scheduler and replayed on the simulator, within a loose factor
+(the tiny model's times are per-op overheads; e06's full run reports the bench-twin errors).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from experiments.e22_batched_decode import bench_twin_config
+from hmoe_jax.config import named_model_config
+from hmoe_jax.policies.base import Policy
+from hmoe_jax.policies.registry import get_policy, policy_names
+from hmoe_jax.sim.events import SimError
+from hmoe_jax.sim.profile import load_profile
+from hmoe_jax.sim.run import simulate_decode_step, simulate_request
+from hmoe_jax.sim.serve import SimRequest, SimServer, decode_arms, from_replay
+
+CFG = bench_twin_config()
+PAPER_BOX = "paper_epyc9355_rtx5090"
+
+
+def local2():
+    return load_profile("local").with_accelerators(2)
+
+
+def test_a_request_alone_takes_its_plans_times():
+    """Prefill then decode steps, nothing else running: TTFT = the prefill plan alone, each
+    later token = one decode step alone, as sim/run.py times a single plan (both add the
+    host's step work once)."""
+    prof = local2()
+    srv = SimServer(CFG, prof, "fcfs", max_len=512)
+    (r,) = srv.run([SimRequest(0.5, 64, 5)])
+    pre = simulate_request(CFG, prof, "auto", 64, max_len=512)
+    assert r.first_token_s - r.arrival_s == pytest.approx(pre["ttft_s"], rel=1e-6)
+    gaps = [b - a for a, b in zip(r.token_s, r.token_s[1:])]
+    for i, g in enumerate(gaps):  # token i+1 decodes at position 64 + i
+        alone = simulate_decode_step(CFG, prof, 64 + i, max_len=512)["step_s"]
+        assert g == pytest.approx(alone, rel=0.05)  # the plan of its kv bucket
+    assert r.finish_reason == "length" and len(r.token_s) == 5
+
+
+def test_fcfs_stalls_decoding_and_the_paper_lane_does_not():
+    prof = local2()
+    reqs = [SimRequest(0.0, 16, 60), SimRequest(1.0, 128, 2)]
+    fc = SimServer(CFG, prof, "fcfs", max_len=512).run(reqs)
+    pp = SimServer(
+        CFG, prof, "paper", max_len=512, long_prompt_tokens=64, dual_batch="off", last_decode_s=0.0
+    ).run(reqs)
+    for res in (fc, pp):
+        assert [len(r.token_s) for r in res] == [60, 2]
+    prefill_fc = fc[1].first_token_s - fc[1].arrival_s
+    gap_fc = max(b - a for a, b in zip(fc[0].token_s, fc[0].token_s[1:]))
+    assert gap_fc >= 0.9 * prefill_fc  # the decode waited for the whole prefill
+    assert pp[1].schedule == "slp"  # the long prompt went to accelerator 1 in the background
+    in_window = [t for t in pp[0].token_s if pp[1].arrival_s < t < pp[1].first_token_s]
+    assert len(in_window) >= 5  # ... while accelerator 0 kept decoding
+
+
+def test_idle_node_prefills_on_both_accelerators():
+    srv = SimServer(CFG, local2(), "paper", max_len=512, long_prompt_tokens=64)
+    (r,) = srv.run([SimRequest(0.0, 128, 1)])
+    assert r.schedule == "dslp"
+
+
+class Checked(Policy):
+    """Any registered policy, with every view checked: rows never overbooked, nobody both
+    waiting and decoding."""
+
+    def __init__(self, inner: Policy, rows: int):
+        self.inner, self.rows, self.name, self.options = inner, rows, inner.name, inner.options
+        self.views = 0
+
+    def decide(self, view):
+        assert 0 <= view.free_rows <= self.rows
+        waiting = {p.id for p in view.waiting}
+        assert not waiting & set(view.decoding) and not set(view.background) & set(view.decoding)
+        self.views += 1
+        return self.inner.decide(view)
+
+
+@pytest.mark.parametrize("name", policy_names())
+def test_every_policy_serves_mixed_arrivals_on_the_simulated_clock(name):
+    opts = {"decode_cap": 3}
+    if name != "fcfs":
+        opts.update(chunk_tokens=32, long_prompt_tokens=96)
+    pol = Checked(get_policy(name, **opts), 4)
+    reqs = [
+        SimRequest(0.0, 40, 12),
+        SimRequest(0.0, 200, 3),
+        SimRequest(0.2, 16, 20, cancel_s=0.9),
+        SimRequest(0.3, 120, 4),
+        SimRequest(0.3, 8, 9),
+        SimRequest(5.0, 64, 6),
+    ]
+    srv = SimServer(CFG, local2(), pol, max_batch=4, max_len=512)
+    res = srv.run(reqs)
+    assert pol.views > 0
+    for q, r in zip(reqs, res):
+        assert r.finish_reason in ("length", "cancelled")
+        assert r.token_s == sorted(r.token_s) and all(t >= q.arrival_s for t in r.token_s)
+        if r.finish_reason == "length":
+            assert len(r.token_s) == q.output_tokens
+        else:
+            # seen at the next iteration, as the scheduler sees a cancel; nothing after it
+            assert r.finished_s >= q.cancel_s and len(r.token_s) < q.output_tokens
+            assert all(t <= r.finished_s for t in r.token_s)
+    assert srv.run([]) == []
+
+
+def test_bad_requests_are_named():
+    srv = SimServer(CFG, local2(), "fcfs", max_len=128)
+    with pytest.raises(SimError, match="exceed the KV row length of 128"):
+        srv.run([SimRequest(0.0, 100, 40)])
+    with pytest.raises(SimError, match="needs 2 accelerators"):
+        SimServer(CFG, load_profile("local"), pd=True, devices=1)
+
+
+def test_dual_auto_follows_the_simulated_arms():
+    """On the paper's box the simulator times the dual step faster than plain at B=2 (the
+    GPU's attention overlaps the CPU's experts); the policy measures both and picks it."""
+    cfg = named_model_config("deepseek_v3")
+    prof = load_profile(PAPER_BOX)
+    arms = decode_arms(cfg, prof, 2, 300, max_len=512)
+    srv = SimServer(cfg, prof, "paper", max_batch=2, max_len=512)
+    srv.run([SimRequest(0.0, 256, 8), SimRequest(0.0, 256, 8)])
+    decodes = [
+        a for it in srv.log for a in it["actions"] if a["kind"] == "decode" and len(a["requests"]) == 2
+    ]
+    assert [d["measure"] for d in decodes[:2]] == [True, True]
+    picked = decodes[-1]["micro_batches"]
+    assert set(srv.step_times) == {(2, 1), (2, 2)}
+    want = 2 if arms["plain_step_s"] / arms["dual_step_s"] >= 1.05 else 1
+    assert picked == want
+
+
+def test_tiny_model_scheduler_replayed_within_a_loose_factor():
+    """The real Scheduler (fcfs and the paper policy, 2 stand-ins) serves a decode and a
+    prompt; the simulator replays the same arrivals and output lengths. p90 TTFT and
+    end-to-end within a factor of 4 (the tiny model's ~50% per-op-overhead underestimate,
+    e06 --quick; the bench twin's errors are e06's full record)."""
+    from hmoe_jax.runtime.placement import configure_stand_ins
+
+    configure_stand_ins(2)
+    from experiments.common.simserve import measured_timings, simulated_timings
+    from experiments.e06_concurrency import replay_log
+    from hmoe_jax.engine.engine import Engine
+    from hmoe_jax.io.loader import load_checkpoint
+    from hmoe_jax.io.synthetic import ensure_default_checkpoint
+    from hmoe_jax.model.sampling import SamplingParams
+    from hmoe_jax.plan.system import SystemSpec
+    from hmoe_jax.serve.scheduler import Scheduler
+
+    cfg, params = load_checkpoint(ensure_default_checkpoint(progress=False), progress=False)
+    eng = Engine(params, cfg, devices=2, system=SystemSpec(num_accelerators=2), precision="bf16", max_len=256)
+    prof = load_profile("local").with_accelerators(2)
+    opts = {"fcfs": {}, "paper": dict(chunk_tokens=64, long_prompt_tokens=80, dual_batch="off")}
+    try:
+        for name, o in opts.items():
+            for _ in range(3):  # the first two rounds compile (the second still hits new shapes)
+                sched = Scheduler(eng, name, **o)
+                hs = [sched.submit(list(range(3, 19)), SamplingParams(max_new_tokens=30, stop_ids=()))]
+                sched.step()
+                sched.step()
+                hs.append(sched.submit(list(range(5, 165)), SamplingParams(max_new_tokens=3, stop_ids=())))
+                sched.drain(300)
+                rs = [h.result(1) for h in hs]
+            log = replay_log(rs, min(r.submitted_s for r in rs))
+            srv = SimServer(cfg, prof, name, max_len=256, last_decode_s=0.0, **o)
+            sim = srv.run(from_replay(log))
+            assert [len(r.token_s) for r in sim] == [len(x["token_s"]) for x in log]
+            for x, r in zip(log, sim):
+                m, s = measured_timings(x), simulated_timings(r)
+                for key in ("ttft_s", "e2e_s"):
+                    assert 1 / 4 <= s[key] / m[key] <= 4, (name, key, s[key], m[key])
+    finally:
+        eng.close()
+
+
+def test_from_replay_keeps_arrivals_and_lengths():
+    logs = [
+        {"arrival_s": 2.0, "prompt_tokens": 16, "token_s": [2.5, 2.6, 2.7]},
+        {"arrival_s": 3.0, "prompt_tokens": 9, "token_s": []},
+    ]
+    assert from_replay(logs, 2.0) == [SimRequest(0.0, 16, 3)]
+    assert dataclasses.asdict(from_replay(logs)[0])["arrival_s"] == 2.0
