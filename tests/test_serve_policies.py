@@ -159,12 +159,17 @@ def test_paper_policy_decisions():
     assert p.decide(view(waiting=(short,), decoding=(3, 4))) == (Decode((3, 4), measure=True),)  # cap
     one = get_policy("paper", long_prompt_tokens=100)
     assert one.decide(view(devices=1, waiting=(long,)))[0] == Prefill(1, "slp", (0,))
-    # dual "auto": plain where the measured times say overlap cannot win (A << M) ...
-    times = {1: (0.001, 0.010), 2: (0.0011, 0.016)}
-    assert p.decide(view(decoding=(3, 4), layer_times=times)) == (Decode((3, 4)),)
-    # ... dual where attention and experts are balanced
-    times = {1: (0.006, 0.006), 2: (0.011, 0.011)}
-    assert p.decide(view(decoding=(3, 4), layer_times=times)) == (Decode((3, 4), micro_batches=2),)
+    # dual "auto": measure plain, then dual, for this batch size ...
+    plain = {(2, 1): 0.050}
+    assert p.decide(view(decoding=(3, 4), step_times=plain)) == (
+        Decode((3, 4), micro_batches=2, measure=True),
+    )
+    # ... then plain where the dual step was not faster by dual_min_gain ...
+    times = {(2, 1): 0.050, (2, 2): 0.049}
+    assert p.decide(view(decoding=(3, 4), step_times=times)) == (Decode((3, 4)),)
+    # ... and dual where it was
+    times = {(2, 1): 0.050, (2, 2): 0.040}
+    assert p.decide(view(decoding=(3, 4), step_times=times)) == (Decode((3, 4), micro_batches=2),)
     with pytest.raises(PolicyError, match="unknown option"):
         get_policy("paper", chunk=3)
     with pytest.raises(PolicyError, match="unknown policy"):

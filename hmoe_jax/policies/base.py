@@ -11,8 +11,9 @@ Each scheduler iteration the backend builds a View of its requests, calls
   accelerator 0, in the same iteration as the decode step (chunked prefill piggybacked on
   decode: short prompts start at once instead of waiting for a whole-prompt prefill).
 - Decode(requests, micro_batches, measure): one decode step of these requests; 2 micro-batches
-  = the dual-batch attention/MoE overlap (engine/dual.py); measure = trace the step so the
-  backend records per-layer (A, M) times for its batch size(s) in View.layer_times.
+  = the dual-batch attention/MoE overlap (engine/dual.py); measure = time and trace the step
+  so the backend records its seconds in View.step_times[(batch, micro_batches)] and its
+  per-layer (A, M) times in View.layer_times.
 
 Requests are referred to by id; a policy never touches tokens or arrays.
 """
@@ -43,6 +44,8 @@ class View:
     last_decode_s: float | None = None  # when a decode step last ran (None: never)
     layer_times: Mapping[int, tuple[float, float]] = dataclasses.field(default_factory=dict)
     # batch size -> measured per-MoE-layer (accelerator A_s, CPU experts M_s)
+    step_times: Mapping[tuple[int, int], float] = dataclasses.field(default_factory=dict)
+    # (batch size, micro-batches) -> seconds of a measured decode step
 
 
 @dataclasses.dataclass(frozen=True)

@@ -76,6 +76,7 @@ class Scheduler:
         self._lanes: dict[tuple[int, ...], Engine] = {}
         self.last_decode_s: float | None = None
         self.layer_times: dict[int, tuple[float, float]] = {}
+        self.step_times: dict[tuple[int, int], float] = {}
         self.iterations = 0
         self.log: list[dict[str, Any]] = []  # per iteration: the actions run (experiments read it)
         self._thread: threading.Thread | None = None
@@ -173,7 +174,9 @@ class Scheduler:
             if not ran:
                 with self._lock:
                     if not (self._inbox or self._cancels or self._closed):
-                        self._lock.wait(0.002 if self._has_background() else 0.5)
+                        # a background prefill notifies when it ends (no polling: a loop
+                        # waking every few ms takes CPU from the prefill it waits for)
+                        self._lock.wait(0.5)
 
     def close(self) -> None:
         self._closed = True
@@ -202,10 +205,8 @@ class Scheduler:
             background=tuple(r for r, e in self._entries.items() if e.state == "background"),
             last_decode_s=self.last_decode_s,
             layer_times=dict(self.layer_times),
+            step_times=dict(self.step_times),
         )
-
-    def _has_background(self) -> bool:
-        return any(e.state == "background" for e in self._entries.values())
 
     # ------------------------------------------------------------ actions
 
@@ -270,6 +271,10 @@ class Scheduler:
                 out["ttft_s"] = time.perf_counter() - t0
             except BaseException as ex:  # noqa: BLE001 (reported when adopted)
                 out["error"] = ex
+            finally:
+                out["done"] = True
+                with self._lock:  # wake the loop: it adopts the prefill at once
+                    self._lock.notify_all()
 
         t = threading.Thread(target=work, name=f"hmoe-prefill-{e.req.id}", daemon=True)
         e.state, e.lane = "background", (t, out)
@@ -278,8 +283,9 @@ class Scheduler:
     def _adopt_background(self) -> bool:
         ran = False
         for e in list(self._entries.values()):
-            if e.state != "background" or e.lane[0].is_alive():
+            if e.state != "background" or not e.lane[1].get("done"):
                 continue
+            e.lane[0].join()
             ran = True
             out = e.lane[1]
             e.lane = None
@@ -301,6 +307,7 @@ class Scheduler:
         entries = [self._entries[r] for r in a.requests]
         seqs = [e.seq for e in entries]
         trace = TraceRecorder() if a.measure else self.trace
+        t_step = time.perf_counter()
         try:
             if a.micro_batches >= 2:
                 dual_step(self.engine, list(split_micro_batches(seqs)), trace)
@@ -318,6 +325,8 @@ class Scheduler:
         now = self.clock()
         self.last_decode_s = now
         if a.measure:
+            arm = (len(seqs), 2 if a.micro_batches >= 2 and len(seqs) >= 2 else 1)
+            self.step_times[arm] = time.perf_counter() - t_step
             self._record_layer_times(trace)
         for e in entries:
             e.handle.emit(e.seq.tokens[-1], now)
