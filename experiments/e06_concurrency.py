@@ -21,6 +21,14 @@ Parts, all measured in this run:
    accelerator 0 decodes), and P/D disaggregation (serve/pd.py: a prefill and a decode OS
    process, one shared weight arena, KV handed over through shared memory).
 
+4. Simulator validation: every mix round above replayed through the simulator
+   (hmoe_jax/sim/serve.py: the same policy objects on a simulated clock, this machine's
+   calibrated profile with the read rate of the probes taken beside the mixes): TTFT, TPOT
+   and end-to-end errors, per request and of the p90s.
+5. Projection (simulator, labelled): DeepSeek-V3 FP8 on the paper's machine (2x RTX 5090,
+   2x EPYC 9355): batch 2/4/6 gains, dual vs plain with its bound, and the three backends'
+   mixes with a 16K-token prompt (4K with --quick).
+
 Everything here shares 2 CPU cores: the stand-in accelerators ARE those cores, so a
 prefill and a decode contend for the same compute and DRAM that two GPUs plus a CPU would
 not; the inflations are this machine's, not a projection (the simulator issue owns those).
@@ -186,6 +194,22 @@ def time_arms(eng, seqs, g0, g1, rounds: int) -> dict[str, list[float]]:
     return got
 
 
+def auto_pick(eng, cfg, b: int, prompt_len: int) -> bool:
+    """What the paper policy's dual_batch="auto" runs for b decoding requests once it has
+    measured one step of each arm: True for dual."""
+    from hmoe_jax.serve.scheduler import Scheduler
+
+    sched = Scheduler(eng, "paper", decode_cap=b, chunk_tokens=4096, long_prompt_tokens=1 << 30)
+    hs = [sched.submit(p, greedy(6)) for p in prompts_of(cfg, b, prompt_len, 5)]
+    sched.drain(600)
+    for h in hs:
+        h.result(1)
+    decodes = [a for it in sched.log for a in it["actions"] if a["kind"] == "decode" and not a["measure"]]
+    if not decodes:
+        raise RuntimeError(f"auto_pick: the policy never decided for batch {b}: {sched.log}")
+    return decodes[-1]["micro_batches"] >= 2
+
+
 def dual_vs_plain(eng, cfg, batches, rounds: int, prompt_len: int) -> tuple[list[dict], list[dict]]:
     from hmoe_jax.engine.dual import dual_step, layer_times, split_micro_batches
     from hmoe_jax.plan.trace import TraceRecorder
@@ -217,6 +241,7 @@ def dual_vs_plain(eng, cfg, batches, rounds: int, prompt_len: int) -> tuple[list
         if b == max(batches):
             trace = compact_trace(tr)
         med = {k: statistics.median(v) for k, v in got.items()}
+        picked = auto_pick(eng, cfg, b, prompt_len)
         a_s, m_s = times["half"]
         rows.append(
             {
@@ -233,6 +258,7 @@ def dual_vs_plain(eng, cfg, batches, rounds: int, prompt_len: int) -> tuple[list
                 "full_moe_layer_s": times["full"][1],
                 "bound": overlap_bound(a_s, m_s),
                 "policy_estimate_plain_over_dual": dual_gain_estimate(times["half"], times["full"]),
+                "auto_policy_picked_dual": picked,
                 "rounds": rounds,
             }
         )
@@ -275,6 +301,22 @@ def _wait_tokens(hs, n: int, timeout_s: float = 600) -> None:
         time.sleep(0.002)
 
 
+def replay_log(rs, t0: float) -> list[dict]:
+    """What the simulator needs to replay a measured run (experiments/common/simserve.py):
+    each request's arrival, prompt length, token times (s, from t0) and how it ended."""
+    return [
+        {
+            "arrival_s": r.submitted_s - t0,
+            "prompt_tokens": int(r.prompt.size),
+            "token_s": [t - t0 for t in r.token_s],
+            "finished_s": None if r.finished_s is None else r.finished_s - t0,
+            "finish_reason": r.finish_reason,
+            "schedule": r.schedule,
+        }
+        for r in rs
+    ]
+
+
 def run_mix(backend, long_prompt, shorts, k: int, dec_tokens: int) -> dict:
     """k decodes run (each has a few tokens), then the long prompt arrives; TTFT of the
     prompt, TPOT of the decodes between its arrival and its first token."""
@@ -294,6 +336,8 @@ def run_mix(backend, long_prompt, shorts, k: int, dec_tokens: int) -> dict:
     short = [r for r in decs if r.token_s and r.token_s[-1] < t1]
     out = {"ttft_s": pr.timings()["ttft_s"], "tpot_s": _window_tpot(decs, t0, t1) if k else None}
     out["decodes_ended_early"] = len(short)
+    everyone = [*decs, pr]
+    out["requests"] = replay_log(everyone, min(r.submitted_s for r in everyone))
     out.update({k_: v for k_, v in pr.meta.items() if k_.endswith("_s") or k_ == "kv_bytes"})
     return out
 
@@ -302,8 +346,8 @@ def alone(backend, long_prompt, shorts, k: int, dec_tokens: int, max_tokens: int
     """The long prompt alone (TTFT); then k decodes alone: each may take max_tokens (a
     backend that prefills one request at a time, like P/D, starts them a prefill apart), and
     once all k decode, dec_tokens steps of all k are timed and the decodes cancelled."""
-    ttft = backend.submit(long_prompt, greedy(2)).result(1800).timings()["ttft_s"]
-    tpot = None
+    pr = backend.submit(long_prompt, greedy(2)).result(1800)
+    ttft, tpot, logs = pr.timings()["ttft_s"], None, [replay_log([pr], pr.submitted_s)]
     if k:
         hs = [backend.submit(p, greedy(max_tokens)) for p in shorts[:k]]
         _wait_tokens(hs, 2, 1800)  # the second token: the first may come from another process
@@ -317,10 +361,17 @@ def alone(backend, long_prompt, shorts, k: int, dec_tokens: int, max_tokens: int
             h.cancel()
         rs = [h.result(600) for h in hs]
         tpot = _window_tpot(rs, start, min(r.token_s[-1] for r in rs))
-    return {"ttft_s": ttft, "tpot_s": tpot}
+        logs.append(replay_log(rs, min(r.submitted_s for r in rs)))
+    return {"ttft_s": ttft, "tpot_s": tpot, "requests": logs}
 
 
-def mixes(name: str, backend, long_prompt, shorts, dec_tokens: int, rounds: int, max_len: int) -> list[dict]:
+def _brief(runs: list[dict]) -> list[dict]:
+    return [{k: v for k, v in x.items() if k != "requests"} for x in runs]
+
+
+def mixes(
+    name: str, backend, long_prompt, shorts, dec_tokens: int, rounds: int, max_len: int, probe
+) -> list[dict]:
     rows = []
     mix_tokens = max_len - max(len(p) for p in shorts) - 1  # decodes outlast the prefill (cancelled)
     # warm: compile every prefill path (idle node, decode recent) and decode shape
@@ -328,9 +379,12 @@ def mixes(name: str, backend, long_prompt, shorts, dec_tokens: int, rounds: int,
     run_mix(backend, long_prompt, shorts, 2, mix_tokens)
     run_mix(backend, long_prompt, shorts, 1, mix_tokens)
     for k in (0, 1, 2):
+        gbps = [probe.gbps()]  # the host read rate beside the runs (the simulator's replay input)
         ref = [alone(backend, long_prompt, shorts, k, dec_tokens, mix_tokens) for _ in range(rounds)]
+        gbps.append(probe.gbps())
         mix = [run_mix(backend, long_prompt, shorts, k, mix_tokens) for _ in range(rounds)]
-        print(f"  [{name} k={k}] alone {ref}, mix {mix}", flush=True)
+        gbps.append(probe.gbps())
+        print(f"  [{name} k={k}] alone {_brief(ref)}, mix {_brief(mix)}", flush=True)
         ttft_a = statistics.median(x["ttft_s"] for x in ref)
         ttft_m = statistics.median(x["ttft_s"] for x in mix)
         row = {
@@ -341,6 +395,10 @@ def mixes(name: str, backend, long_prompt, shorts, dec_tokens: int, rounds: int,
             "ttft_mix_s": ttft_m,
             "ttft_inflation": ttft_m / ttft_a,
             "rounds": rounds,
+            "probe_gbps": statistics.median(gbps),
+            # each round's requests as measured (arrivals, token times): the simulator replays them
+            "replay_alone": [x["requests"] for x in ref],
+            "replay_mix": [x["requests"] for x in mix],
         }
         if k:
             tpa = statistics.median(x["tpot_s"] for x in ref)
@@ -376,6 +434,8 @@ def main(argv: list[str] | None = None) -> dict:
     from hmoe_jax.runtime.placement import configure_stand_ins
 
     configure_stand_ins(2)
+    from experiments.common.simserve import project, validate_mixes
+    from experiments.common.simval import Probe, local_profile
     from hmoe_jax.engine.engine import Engine
     from hmoe_jax.plan.system import SystemSpec
     from hmoe_jax.serve.pd import PDCoordinator
@@ -384,6 +444,7 @@ def main(argv: list[str] | None = None) -> dict:
     quick = args.quick
     t_start = time.perf_counter()
     cfg, params, ckpt, model_desc = build_model(quick)
+    probe = Probe()
     batches = [1, 2, 4] if quick else [1, 2, 4, 6]
     long_len = 160 if quick else 128
     max_len = 256 if quick else 512
@@ -401,12 +462,14 @@ def main(argv: list[str] | None = None) -> dict:
     dec_tokens = 24
     mix_rounds = 1 if quick else 2
     fcfs = Scheduler(eng, "fcfs", decode_cap=6).start()
-    rows += mixes("fcfs (no technique 3)", fcfs, long_prompt, shorts, dec_tokens, mix_rounds, max_len)
+    rows += mixes("fcfs (no technique 3)", fcfs, long_prompt, shorts, dec_tokens, mix_rounds, max_len, probe)
     fcfs.close()
     paper = Scheduler(
         eng, "paper", decode_cap=6, chunk_tokens=64, long_prompt_tokens=long_len // 2, dual_batch="off"
     ).start()
-    rows += mixes("in-process paper policy", paper, long_prompt, shorts, dec_tokens, mix_rounds, max_len)
+    rows += mixes(
+        "in-process paper policy", paper, long_prompt, shorts, dec_tokens, mix_rounds, max_len, probe
+    )
     paper.close()
     eng.close()
     del eng, params
@@ -421,7 +484,7 @@ def main(argv: list[str] | None = None) -> dict:
     ).wait_ready(900)
     pd_start_s = time.perf_counter() - t0
     try:
-        rows += mixes("P/D disaggregation", pd, long_prompt, shorts, dec_tokens, mix_rounds, max_len)
+        rows += mixes("P/D disaggregation", pd, long_prompt, shorts, dec_tokens, mix_rounds, max_len, probe)
         pss = pd.weight_pss()
     finally:
         pd.close()
@@ -430,6 +493,23 @@ def main(argv: list[str] | None = None) -> dict:
         f"{pss['pss_ratio']:.2f}x one copy (RSS {pss['rss_ratio']:.2f}x)",
         flush=True,
     )
+
+    # 4: the measured mixes replayed on the simulator (this machine's profile, 2 stand-ins,
+    # each mix row's read probe); 5: the projection on the paper's machine
+    def prof_of(row):
+        return local_profile(read_gbps=row["probe_gbps"]).with_accelerators(2)
+
+    t0 = time.perf_counter()
+    val_rows, val_summary = validate_mixes(cfg, rows, prof_of, long_len, max_len)
+    proj_rows, proj_summary, proj_inputs = project(quick)
+    print(
+        f"[sim] validation: p90 error TTFT {val_summary.get('sim_error_ttft_p90', float('nan')):.1f}%, TPOT "
+        f"{val_summary.get('sim_error_tpot_p90', float('nan')):.1f}%; projection (paper machine): worst P/D "
+        f"TTFT x{proj_summary['projected_worst_ttft_inflation']:.3f}, TPOT "
+        f"x{proj_summary['projected_worst_tpot_inflation']:.3f}; {time.perf_counter() - t0:.0f} s",
+        flush=True,
+    )
+    rows += val_rows + proj_rows
 
     by_b = {r["batch"]: r for r in rows if r["part"] == "batch"}
     duals = [r for r in rows if r["part"] == "dual"]
@@ -457,12 +537,14 @@ def main(argv: list[str] | None = None) -> dict:
         "dual_batch_bound": best["bound"],
         "dual_batch_gain_batch": best["batch"],
         "dual_vs_plain": best["dual_gain_vs_plain"],
-        # the paper policy's dual_batch="auto" choice from measured (A, M), against what won
-        "auto_policy_picks_dual": {
-            r["batch"]: r["policy_estimate_plain_over_dual"] >= min_gain for r in duals
-        },
+        # what the paper policy's dual_batch="auto" ran (after measuring one step of each
+        # arm), against the arms' medians: dual only where it won, plain where it did not win
+        # by dual_min_gain
+        "auto_policy_picks_dual": {r["batch"]: r["auto_policy_picked_dual"] for r in duals},
         "auto_policy_right": all(
-            (r["policy_estimate_plain_over_dual"] >= min_gain) == (r["dual_gain_vs_plain"] > 1.0)
+            (r["dual_gain_vs_plain"] > 1.0)
+            if r["auto_policy_picked_dual"]
+            else (r["dual_gain_vs_plain"] < min_gain)
             for r in duals
         ),
         "worst_ttft_inflation": worst([r for r in mixes_pd if r["mix"] != "1P"], "ttft_inflation"),
@@ -476,6 +558,8 @@ def main(argv: list[str] | None = None) -> dict:
         "pd_handover_s": worst(mixes_pd, "handover_s"),
         "pd_handover_kv_bytes": worst(mixes_pd, "kv_bytes"),
         "pd_workers_ready_s": pd_start_s,
+        **val_summary,
+        **proj_summary,
         "wall_s": time.perf_counter() - t_start,
     }
     return emit_record(
@@ -498,6 +582,8 @@ def main(argv: list[str] | None = None) -> dict:
             "stand_in_accelerators": 2,
             "cores": os.cpu_count(),
             "pd_weight_pss": pss,
+            "sim_validation_profile": "configs/systems/local.toml (hmoe calibrate), read rate per mix row",
+            "projection": proj_inputs,
         },
         rows=rows + [{"part": "dual_trace", "batch": max(batches), "slices": trace}],
         summary=summary,

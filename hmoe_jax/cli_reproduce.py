@@ -48,6 +48,22 @@ KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ),
         ("sim_error_dslp_here",),
     ),
+    "e06_concurrency": (
+        (
+            "projected_batch4_throughput_gain",
+            "projected_dual_batch_gain",
+            "projected_worst_ttft_inflation",
+            "projected_worst_tpot_inflation",
+        ),
+        (
+            "batch4_throughput_gain",
+            "worst_ttft_inflation",
+            "worst_tpot_inflation",
+            "sim_error_ttft_p90",
+            "sim_error_tpot_p90",
+            "pd_weight_pss_ratio",
+        ),
+    ),
 }
 BEGIN, END = "<!-- hmoe reproduce: begin -->", "<!-- hmoe reproduce: end -->"
 

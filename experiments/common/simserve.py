@@ -1,0 +1,272 @@
+"""e06's simulator parts: the request scheduler's policies on the simulated clock
+(hmoe_jax/sim/serve.py).
+
+- validate_mixes: every measured mix round of e06 (each request's arrival, prompt length and
+  token times, kept in the rows as replay logs) replayed through SimServer with the same
+  policy and options on this machine's profile (two stand-in accelerators, the host read
+  rate re-based on the probes taken beside the mixes): per-request and p90 errors of TTFT,
+  TPOT and end-to-end latency. Nothing is fitted: the profile is `hmoe calibrate`'s.
+- project: the same three backends and mixes, batch sizes and dual-batch arms for
+  DeepSeek-V3 FP8 on the paper's machine (2x RTX 5090, 2x EPYC 9355): projections, labelled
+  as such, with the paper's values as the comparison column in the record.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import numpy as np
+
+from experiments.common.simval import errors
+
+METRICS = ("ttft_s", "tpot_s", "e2e_s")
+
+
+def measured_timings(x: dict[str, Any]) -> dict[str, float | None]:
+    """A replay-log request's TTFT, TPOT (mean gap after the first token) and end-to-end
+    latency to its LAST token (a cancelled request's cancel time is the client's, not the
+    server's; the simulated one stops at its forced last token)."""
+    t, a = x["token_s"], x["arrival_s"]
+    gaps = np.diff(t)
+    return {
+        "ttft_s": t[0] - a if t else None,
+        "tpot_s": float(np.mean(gaps)) if gaps.size else None,
+        "e2e_s": t[-1] - a if t else None,
+    }
+
+
+def simulated_timings(r) -> dict[str, float | None]:
+    t = r.token_s
+    gaps = np.diff(t)
+    return {
+        "ttft_s": t[0] - r.arrival_s if t else None,
+        "tpot_s": float(np.mean(gaps)) if gaps.size else None,
+        "e2e_s": t[-1] - r.arrival_s if t else None,
+    }
+
+
+def backend_server(cfg, prof, backend: str, long_len: int, max_len: int, log: list[dict]):
+    """The SimServer that mirrors one of e06's backends (same policy, same options)."""
+    from hmoe_jax.sim.serve import SimServer
+
+    common = {"devices": 2, "max_batch": 8, "max_len": max_len}
+    if backend.startswith("fcfs"):
+        return SimServer(cfg, prof, "fcfs", decode_cap=6, **common)
+    if backend.startswith("P/D"):
+        return SimServer(cfg, prof, pd=True, pd_schedule="slp", decode_cap=6, **common)
+    # the measured scheduler object served every round in turn: it had decoded within the
+    # idle window unless its long prompt went to dslp (the idle-node path)
+    recent = not any(x.get("schedule") == "dslp" for x in log)
+    return SimServer(
+        cfg,
+        prof,
+        "paper",
+        decode_cap=6,
+        chunk_tokens=64,
+        long_prompt_tokens=long_len // 2,
+        dual_batch="off",
+        last_decode_s=0.0 if recent else None,
+        **common,
+    )
+
+
+def _p90(v: list[float]) -> float:
+    return float(np.percentile(v, 90))
+
+
+def validate_mixes(cfg, rows: list[dict], prof_of, long_len: int, max_len: int) -> tuple[list[dict], dict]:
+    """(one row per backend x mix x alone/mix: measured and simulated mean and p90 of each
+    metric, the per-request errors; summary errors over those groups). prof_of(row): the
+    profile to replay a mix row on."""
+    from hmoe_jax.sim.serve import from_replay
+
+    out, pairs_all = [], {m: [] for m in METRICS}
+    p90_errs = {m: [] for m in METRICS}
+    mean_errs = {m: [] for m in METRICS}
+    excluded = []
+    for row in (r for r in rows if r.get("part") == "mix"):
+        for kind in ("alone", "mix"):
+            logs = [lg for rnd in row[f"replay_{kind}"] for lg in (rnd if kind == "alone" else [rnd])]
+            meas = {m: [] for m in METRICS}
+            sim = {m: [] for m in METRICS}
+            dslp = False
+            for lg in logs:
+                kept = [x for x in lg if x["token_s"]]
+                dslp |= any(x.get("schedule") == "dslp" for x in kept)
+                srv = backend_server(cfg, prof_of(row), row["backend"], long_len, max_len, kept)
+                res = srv.run(from_replay(kept))
+                for x, r in zip(kept, res):
+                    mt, st = measured_timings(x), simulated_timings(r)
+                    for m in METRICS:
+                        if mt[m] is not None and st[m] is not None:
+                            meas[m].append(mt[m])
+                            sim[m].append(st[m])
+            g = {"part": "sim_validation", "backend": row["backend"], "mix": row["mix"], "kind": kind}
+            g["outside_model"] = "dslp on stand-ins (e05)" if dslp else None
+            for m in METRICS:
+                if not meas[m]:
+                    continue
+                pe = errors(list(zip(sim[m], meas[m])))
+                g[m] = {
+                    "measured_mean": statistics.mean(meas[m]),
+                    "simulated_mean": statistics.mean(sim[m]),
+                    "measured_p90": _p90(meas[m]),
+                    "simulated_p90": _p90(sim[m]),
+                    "n": len(meas[m]),
+                    "per_request_err": pe,
+                }
+                g[m]["p90_err_pct"] = 100.0 * (g[m]["simulated_p90"] / g[m]["measured_p90"] - 1.0)
+                g[m]["mean_err_pct"] = 100.0 * (g[m]["simulated_mean"] / g[m]["measured_mean"] - 1.0)
+                if not dslp:
+                    p90_errs[m].append(g[m]["p90_err_pct"])
+                    mean_errs[m].append(g[m]["mean_err_pct"])
+                    pairs_all[m] += list(zip(sim[m], meas[m]))
+            if dslp:
+                excluded.append(f"{row['backend']} {row['mix']} {kind}")
+            out.append(g)
+    summary: dict[str, Any] = {}
+    for m in METRICS:
+        key = m[:-2]
+        if p90_errs[m]:
+            summary[f"sim_error_{key}_p90"] = statistics.mean(abs(e) for e in p90_errs[m])
+            summary[f"sim_error_{key}_p90_signed"] = statistics.mean(p90_errs[m])
+            summary[f"sim_error_{key}_p90_max"] = max(abs(e) for e in p90_errs[m])
+            summary[f"sim_error_{key}_mean"] = statistics.mean(abs(e) for e in mean_errs[m])
+            summary[f"sim_error_{key}_mean_signed"] = statistics.mean(mean_errs[m])
+        summary[f"sim_error_{key}_per_request"] = errors(pairs_all[m])["mean_abs_pct"]
+    summary["sim_validation_excluded"] = excluded
+    return out, summary
+
+
+# ---------------------------------------------------------------- projection
+
+
+def _window_tpot(results, t0: float, t1: float) -> float | None:
+    per = []
+    for r in results:
+        t = r.token_s
+        lo = max((i for i, x in enumerate(t) if x <= t0), default=None)
+        hi = min((i for i, x in enumerate(t) if x >= t1), default=len(t) - 1 if t else None)
+        if lo is not None and hi is not None and hi > lo:
+            per.append((t[hi] - t[lo]) / (hi - lo))
+    return float(np.mean(per)) if per else None
+
+
+def project(quick: bool) -> tuple[list[dict], dict, dict]:
+    """(rows, summary, inputs) of the projection: DeepSeek-V3 FP8 on the paper's machine."""
+    from hmoe_jax.config import named_model_config
+    from hmoe_jax.policies.base import overlap_bound
+    from hmoe_jax.sim.profile import load_profile
+    from hmoe_jax.sim.serve import SimRequest, SimServer, decode_arms, decode_step_s
+
+    cfg = named_model_config("deepseek_v3")
+    prof = load_profile("paper_epyc9355_rtx5090")
+    ctx, short_len, long_len = 1024, 1024, 4096 if quick else 16384
+    max_len = long_len + 64
+    rows: list[dict] = []
+    t1 = decode_step_s(cfg, prof, 1, ctx)
+    rows.append({"part": "projection_batch", "batch": 1, "step_s": t1, "tok_per_s": 1 / t1, "gain": 1.0})
+    for b in (2, 4, 6):
+        a = decode_arms(cfg, prof, b, ctx)
+        rows.append(
+            {
+                "part": "projection_batch",
+                "batch": b,
+                "step_s": a["plain_step_s"],
+                "tok_per_s": b / a["plain_step_s"],
+                "gain": b * t1 / a["plain_step_s"],
+                **{k: a[k] for k in a if k != "plain_step_s"},
+                "dual_gain_vs_sequential": a["sequential_step_s"] / a["dual_step_s"],
+                "dual_gain_vs_plain": a["plain_step_s"] / a["dual_step_s"],
+                "bound": overlap_bound(a["attn_layer_s"], a["moe_layer_s"]),
+            }
+        )
+    dec_tokens = 600  # decodes outlast the prefill (P/D prefills each 1K prompt by slp too)
+    backends = {
+        "fcfs (no technique 3)": dict(policy="fcfs", decode_cap=6),
+        "in-process paper policy": dict(policy="paper", decode_cap=6, dual_batch="off", last_decode_s=0.0),
+        # the prefill worker with `auto` (serve/pd.py takes a schedule): short prompts by the
+        # cpu schedule, long ones by slp, as the paper splits them
+        "P/D disaggregation": dict(pd=True, pd_schedule="auto", decode_cap=6),
+    }
+    for name, opts in backends.items():
+        for k in (0, 2) if quick else (0, 1, 2):  # --quick: the idle and the worst mix
+
+            def serve(reqs, opts=opts, stop=None):
+                srv = SimServer(cfg, prof, max_batch=4, max_len=max_len, **opts)
+                return srv.run(reqs, stop=stop), srv
+
+            def steady(rs: list) -> bool:  # all decode, and 32 steps of all of them are in
+                if not all(len(r.token_s) >= 2 for r in rs):
+                    return False
+                start = max(r.token_s[1] for r in rs)
+                return all(sum(1 for t in r.token_s if t > start) >= 32 for r in rs)
+
+            def prefilled(rs: list) -> bool:  # the window is over: the prompt's first token, and
+                t1 = rs[-1].first_token_s  # a decode token after it for every decode
+                return t1 is not None and all(r.token_s and r.token_s[-1] >= t1 for r in rs[:-1])
+
+            alone_p, srv_a = serve([SimRequest(0.0, long_len, 2)])
+            ttft_a = alone_p[0].first_token_s
+            row = {"part": "projection_mix", "backend": name, "mix": f"1P+{k}D" if k else "1P"}
+            row.update(ttft_alone_s=ttft_a, long_prompt_tokens=long_len, long_schedule=alone_p[0].schedule)
+            if k:
+                dec, _ = serve([SimRequest(0.0, short_len, dec_tokens) for _ in range(k)], stop=steady)
+                start = max(r.token_s[1] for r in dec)
+                tpot_a = _window_tpot(dec, start, min(r.token_s[-1] for r in dec))
+                arrive = max(r.token_s[2] for r in dec)  # the prompt comes once all k decode
+                got, srv_m = serve(
+                    [SimRequest(0.0, short_len, dec_tokens) for _ in range(k)]
+                    + [SimRequest(arrive, long_len, 2)],
+                    stop=prefilled,
+                )
+                p = got[-1]
+                ttft_m = p.first_token_s - p.arrival_s
+                tpot_m = _window_tpot(got[:k], p.arrival_s, p.first_token_s)
+                row.update(
+                    ttft_mix_s=ttft_m,
+                    ttft_inflation=ttft_m / ttft_a,
+                    tpot_alone_s=tpot_a,
+                    tpot_mix_s=tpot_m,
+                    tpot_inflation=tpot_m / tpot_a,
+                    mixed_throughput_gain=(ttft_a + ttft_m / tpot_m * tpot_a) / ttft_m,
+                    mix_long_schedule=p.schedule,
+                    no_fit=srv_m.no_fit[:1],
+                )
+            else:
+                row.update(ttft_mix_s=ttft_a, ttft_inflation=1.0, no_fit=srv_a.no_fit[:1])
+            rows.append(row)
+    by_b = {r["batch"]: r for r in rows if r["part"] == "projection_batch"}
+    duals = [r for r in rows if r["part"] == "projection_batch" and r["batch"] > 1]
+    best = max(duals, key=lambda r: r["dual_gain_vs_sequential"])
+    mx = [r for r in rows if r["part"] == "projection_mix" and r["mix"] != "1P"]
+
+    def worst(backend: str, key: str) -> float:
+        return max(r[key] for r in mx if r["backend"] == backend)
+
+    summary = {
+        **{f"projected_batch{b}_throughput_gain": by_b[b]["gain"] for b in (2, 4, 6)},
+        "projected_decode_tok_per_s_b1": by_b[1]["tok_per_s"],
+        "projected_dual_batch_gain": best["dual_gain_vs_sequential"],
+        "projected_dual_batch_bound": best["bound"],
+        "projected_dual_vs_plain": best["dual_gain_vs_plain"],
+        "projected_worst_ttft_inflation": worst("P/D disaggregation", "ttft_inflation"),
+        "projected_worst_tpot_inflation": worst("P/D disaggregation", "tpot_inflation"),
+        "projected_worst_ttft_inflation_inprocess": worst("in-process paper policy", "ttft_inflation"),
+        "projected_worst_tpot_inflation_inprocess": worst("in-process paper policy", "tpot_inflation"),
+        "projected_worst_tpot_inflation_fcfs": worst("fcfs (no technique 3)", "tpot_inflation"),
+        "projected_mixed_throughput_gain": min(
+            r["mixed_throughput_gain"] for r in mx if r["backend"] == "P/D disaggregation"
+        ),
+    }
+    inputs = {
+        "model": "deepseek_v3 (FP8 experts)",
+        "profile": prof.name,
+        "decode_context": ctx,
+        "short_prompt_tokens": short_len,
+        "long_prompt_tokens": long_len,
+        "assumed_inputs": prof.assumptions(),
+        "label": "simulator projection (hmoe_jax/sim), not a measurement",
+    }
+    return rows, summary, inputs
