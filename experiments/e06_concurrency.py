@@ -50,6 +50,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments.common.record import emit_record, parse_args, print_ceiling
+from experiments.common.simserve import window_tpot
 
 PAPER = {
     "batch2_throughput_gain": 1.56,
@@ -278,21 +279,6 @@ def dual_vs_plain(eng, cfg, batches, rounds: int, prompt_len: int) -> tuple[list
 # ---------------------------------------------------------------- part 3: mixes
 
 
-def _window_tpot(decodes, t0: float, t1: float) -> float | None:
-    """Mean gap between a decode's tokens over the span from its last token at or before t0
-    to its first token at or after t1 (a decode that stalls through the window shows the
-    stall; one that ended inside the window: to its last token), averaged over the decodes;
-    None without such a span."""
-    per = []
-    for r in decodes:
-        t = r.token_s
-        lo = max((i for i, x in enumerate(t) if x <= t0), default=None)
-        hi = min((i for i, x in enumerate(t) if x >= t1), default=len(t) - 1 if t else None)
-        if lo is not None and hi is not None and hi > lo:
-            per.append((t[hi] - t[lo]) / (hi - lo))
-    return float(np.mean(per)) if per else None
-
-
 def _wait_tokens(hs, n: int, timeout_s: float = 600) -> None:
     deadline = time.monotonic() + timeout_s
     while any(len(h.request.tokens) < n for h in hs):
@@ -334,7 +320,7 @@ def run_mix(backend, long_prompt, shorts, k: int, dec_tokens: int) -> dict:
         h.cancel()
     decs = [h.result(600) for h in hs]
     short = [r for r in decs if r.token_s and r.token_s[-1] < t1]
-    out = {"ttft_s": pr.timings()["ttft_s"], "tpot_s": _window_tpot(decs, t0, t1) if k else None}
+    out = {"ttft_s": pr.timings()["ttft_s"], "tpot_s": window_tpot(decs, t0, t1) if k else None}
     out["decodes_ended_early"] = len(short)
     everyone = [*decs, pr]
     out["requests"] = replay_log(everyone, min(r.submitted_s for r in everyone))
@@ -360,7 +346,7 @@ def alone(backend, long_prompt, shorts, k: int, dec_tokens: int, max_tokens: int
         for h in hs:
             h.cancel()
         rs = [h.result(600) for h in hs]
-        tpot = _window_tpot(rs, start, min(r.token_s[-1] for r in rs))
+        tpot = window_tpot(rs, start, min(r.token_s[-1] for r in rs))
         logs.append(replay_log(rs, min(r.submitted_s for r in rs)))
     return {"ttft_s": ttft, "tpot_s": tpot, "requests": logs}
 

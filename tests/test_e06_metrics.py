@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from experiments.e06_concurrency import _window_tpot
+from experiments.common.simserve import window_tpot as _window_tpot
 
 
 def req(times):

@@ -142,9 +142,13 @@ def validate_mixes(cfg, rows: list[dict], prof_of, long_len: int, max_len: int) 
 # ---------------------------------------------------------------- projection
 
 
-def _window_tpot(results, t0: float, t1: float) -> float | None:
+def window_tpot(decodes, t0: float, t1: float) -> float | None:
+    """Mean gap between a decode's tokens over the span from its last token at or before t0
+    to its first token at or after t1 (a decode that stalls through the window shows the
+    stall; one that ended inside the window: to its last token), averaged over the decodes;
+    None without such a span. Anything with `token_s` (a measured Request, a SimResult)."""
     per = []
-    for r in results:
+    for r in decodes:
         t = r.token_s
         lo = max((i for i, x in enumerate(t) if x <= t0), default=None)
         hi = min((i for i, x in enumerate(t) if x >= t1), default=len(t) - 1 if t else None)
@@ -214,7 +218,7 @@ def project(quick: bool) -> tuple[list[dict], dict, dict]:
             if k:
                 dec, _ = serve([SimRequest(0.0, short_len, dec_tokens) for _ in range(k)], stop=steady)
                 start = max(r.token_s[1] for r in dec)
-                tpot_a = _window_tpot(dec, start, min(r.token_s[-1] for r in dec))
+                tpot_a = window_tpot(dec, start, min(r.token_s[-1] for r in dec))
                 arrive = max(r.token_s[2] for r in dec)  # the prompt comes once all k decode
                 got, srv_m = serve(
                     [SimRequest(0.0, short_len, dec_tokens) for _ in range(k)]
@@ -223,7 +227,7 @@ def project(quick: bool) -> tuple[list[dict], dict, dict]:
                 )
                 p = got[-1]
                 ttft_m = p.first_token_s - p.arrival_s
-                tpot_m = _window_tpot(got[:k], p.arrival_s, p.first_token_s)
+                tpot_m = window_tpot(got[:k], p.arrival_s, p.first_token_s)
                 row.update(
                     ttft_mix_s=ttft_m,
                     ttft_inflation=ttft_m / ttft_a,
