@@ -165,7 +165,8 @@ def test_tiny_model_scheduler_replayed_within_a_loose_factor():
     opts = {"fcfs": {}, "paper": dict(chunk_tokens=64, long_prompt_tokens=80, dual_batch="off")}
     try:
         for name, o in opts.items():
-            for _ in range(3):  # the first two rounds compile (the second still hits new shapes)
+            ratios: dict[tuple[int, str], list[float]] = {}
+            for rnd in range(5):  # two rounds compile (the second still hits new shapes), three count
                 sched = Scheduler(eng, name, **o)
                 hs = [sched.submit(list(range(3, 19)), SamplingParams(max_new_tokens=30, stop_ids=()))]
                 sched.step()
@@ -173,14 +174,20 @@ def test_tiny_model_scheduler_replayed_within_a_loose_factor():
                 hs.append(sched.submit(list(range(5, 165)), SamplingParams(max_new_tokens=3, stop_ids=())))
                 sched.drain(300)
                 rs = [h.result(1) for h in hs]
-            log = replay_log(rs, min(r.submitted_s for r in rs))
-            srv = SimServer(cfg, prof, name, max_len=256, last_decode_s=0.0, **o)
-            sim = srv.run(from_replay(log))
-            assert [len(r.token_s) for r in sim] == [len(x["token_s"]) for x in log]
-            for x, r in zip(log, sim):
-                m, s = measured_timings(x), simulated_timings(r)
-                for key in ("ttft_s", "e2e_s"):
-                    assert 1 / 4 <= s[key] / m[key] <= 4, (name, key, s[key], m[key])
+                if rnd < 2:
+                    continue
+                log = replay_log(rs, min(r.submitted_s for r in rs))
+                srv = SimServer(cfg, prof, name, max_len=256, last_decode_s=0.0, **o)
+                sim = srv.run(from_replay(log))
+                assert [len(r.token_s) for r in sim] == [len(x["token_s"]) for x in log]
+                for i, (x, r) in enumerate(zip(log, sim)):
+                    m, t = measured_timings(x), simulated_timings(r)
+                    for key in ("ttft_s", "e2e_s"):
+                        ratios.setdefault((i, key), []).append(t[key] / m[key])
+            # the median of three rounds: a neighbour can stretch one 10 ms prefill several-fold
+            for (i, key), rs_ in ratios.items():
+                med = sorted(rs_)[1]
+                assert 1 / 4 <= med <= 4, (name, i, key, rs_)
     finally:
         eng.close()
 
