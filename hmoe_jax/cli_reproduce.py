@@ -20,7 +20,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+
+def find_root() -> Path:
+    """The source checkout whose experiments/ and paper_figs/ to run: the current directory
+    when it is one (a `pip install .` puts only the package in site-packages), else the
+    checkout the package was installed from in editable mode. Otherwise the package's
+    parent, and cmd_reproduce says what is missing."""
+    pkg_parent = Path(__file__).resolve().parents[1]
+    for cand in (Path.cwd(), pkg_parent):
+        if any((cand / "experiments").glob("e[0-9][0-9]_*.py")):
+            return cand.resolve()
+    return pkg_parent
+
+
+ROOT = find_root()
 
 
 def experiment_names() -> list[str]:
@@ -151,6 +164,13 @@ def add_reproduce_parser(sub: Any) -> None:
 
 def cmd_reproduce(args: argparse.Namespace) -> int:
     names = experiment_names()
+    if not names:
+        print(
+            f"hmoe reproduce: no experiments/eNN_*.py under {Path.cwd()} or {ROOT}: run it from the root "
+            "of a source checkout (the experiments and figure scripts are not part of the installed package)",
+            file=sys.stderr,
+        )
+        return 2
     results = Path(args.out_dir).resolve() if args.out_dir else ROOT / "results"
     if args.only:
         want = [w.strip() for w in args.only.split(",") if w.strip()]

@@ -87,3 +87,19 @@ def test_reproduce_table_from_records(tmp_path, monkeypatch):
     path = cli_reproduce.write_readme(cli_reproduce.markdown(rows))  # idempotent: one block
     text = path.read_text()
     assert text.count(cli_reproduce.BEGIN) == 1 and "hand-written table" in text
+
+
+def test_reproduce_finds_the_checkout_it_runs_in(tmp_path, monkeypatch, capsys):
+    """`pip install .` puts only the package in site-packages: `hmoe reproduce` runs the
+    experiments of the checkout it is started in, and says so when there is none."""
+    (tmp_path / "experiments").mkdir()
+    (tmp_path / "experiments" / "e99_demo.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    assert cli_reproduce.find_root() == tmp_path.resolve()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.chdir(empty)
+    monkeypatch.setattr(cli_reproduce, "ROOT", empty)
+    args = cli_reproduce.argparse.Namespace(only=None, table_only=False, out_dir=None, quick=True)
+    assert cli_reproduce.cmd_reproduce(args) == 2
+    assert "run it from the root of a source checkout" in capsys.readouterr().err
