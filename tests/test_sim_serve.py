@@ -150,7 +150,7 @@ def test_tiny_model_scheduler_replayed_within_a_loose_factor():
     from hmoe_jax.runtime.placement import configure_stand_ins
 
     configure_stand_ins(2)
-    from experiments.common.simserve import measured_timings, simulated_timings
+    from experiments.common.simserve import token_timings
     from experiments.e06_concurrency import replay_log
     from hmoe_jax.engine.engine import Engine
     from hmoe_jax.io.loader import load_checkpoint
@@ -181,7 +181,8 @@ def test_tiny_model_scheduler_replayed_within_a_loose_factor():
                 sim = srv.run(from_replay(log))
                 assert [len(r.token_s) for r in sim] == [len(x["token_s"]) for x in log]
                 for i, (x, r) in enumerate(zip(log, sim)):
-                    m, t = measured_timings(x), simulated_timings(r)
+                    m = token_timings(x["token_s"], x["arrival_s"])
+                    t = token_timings(r.token_s, r.arrival_s)
                     for key in ("ttft_s", "e2e_s"):
                         ratios.setdefault((i, key), []).append(t[key] / m[key])
             # the median of three rounds: a neighbour can stretch one 10 ms prefill several-fold

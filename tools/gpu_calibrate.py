@@ -26,21 +26,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 
-
-def timed(fn, reps: int) -> float:
-    import jax
-
-    jax.block_until_ready(fn())  # compile / first touch
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+from hmoe_jax.cli_calibrate import _median_s as timed  # median of timed runs after one warm-up
 
 
 def link_rates(sizes_mib: list[int], reps: int) -> dict:

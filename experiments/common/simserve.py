@@ -23,26 +23,16 @@ from experiments.common.simval import errors
 METRICS = ("ttft_s", "tpot_s", "e2e_s")
 
 
-def measured_timings(x: dict[str, Any]) -> dict[str, float | None]:
-    """A replay-log request's TTFT, TPOT (mean gap after the first token) and end-to-end
-    latency to its LAST token (a cancelled request's cancel time is the client's, not the
-    server's; the simulated one stops at its forced last token)."""
-    t, a = x["token_s"], x["arrival_s"]
-    gaps = np.diff(t)
+def token_timings(token_s: list[float], arrival_s: float) -> dict[str, float | None]:
+    """TTFT, TPOT (mean gap after the first token) and end-to-end latency to the LAST token
+    of a request that arrived at arrival_s and produced tokens at token_s: the same for a
+    measured replay-log request and a simulated one (a cancelled request's cancel time is the
+    client's, not the server's; the simulated one stops at its forced last token)."""
+    gaps = np.diff(token_s)
     return {
-        "ttft_s": t[0] - a if t else None,
+        "ttft_s": token_s[0] - arrival_s if token_s else None,
         "tpot_s": float(np.mean(gaps)) if gaps.size else None,
-        "e2e_s": t[-1] - a if t else None,
-    }
-
-
-def simulated_timings(r) -> dict[str, float | None]:
-    t = r.token_s
-    gaps = np.diff(t)
-    return {
-        "ttft_s": t[0] - r.arrival_s if t else None,
-        "tpot_s": float(np.mean(gaps)) if gaps.size else None,
-        "e2e_s": t[-1] - r.arrival_s if t else None,
+        "e2e_s": token_s[-1] - arrival_s if token_s else None,
     }
 
 
@@ -86,6 +76,7 @@ def validate_mixes(cfg, rows: list[dict], prof_of, long_len: int, max_len: int) 
     mean_errs = {m: [] for m in METRICS}
     excluded = []
     for row in (r for r in rows if r.get("part") == "mix"):
+        prof = prof_of(row)
         for kind in ("alone", "mix"):
             logs = [lg for rnd in row[f"replay_{kind}"] for lg in (rnd if kind == "alone" else [rnd])]
             meas = {m: [] for m in METRICS}
@@ -94,10 +85,11 @@ def validate_mixes(cfg, rows: list[dict], prof_of, long_len: int, max_len: int) 
             for lg in logs:
                 kept = [x for x in lg if x["token_s"]]
                 dslp |= any(x.get("schedule") == "dslp" for x in kept)
-                srv = backend_server(cfg, prof_of(row), row["backend"], long_len, max_len, kept)
+                srv = backend_server(cfg, prof, row["backend"], long_len, max_len, kept)
                 res = srv.run(from_replay(kept))
                 for x, r in zip(kept, res):
-                    mt, st = measured_timings(x), simulated_timings(r)
+                    mt = token_timings(x["token_s"], x["arrival_s"])
+                    st = token_timings(r.token_s, r.arrival_s)
                     for m in METRICS:
                         if mt[m] is not None and st[m] is not None:
                             meas[m].append(mt[m])

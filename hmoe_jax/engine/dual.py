@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 from hmoe_jax.engine.engine import Engine, SeqState
-from hmoe_jax.plan.trace import TraceRecorder
+from hmoe_jax.plan.trace import TraceRecorder, attention_moe_split
 from hmoe_jax.policies.base import dual_gain_estimate, overlap_bound  # noqa: F401  (re-exported)
 from hmoe_jax.runtime import executor as X
 
@@ -78,21 +78,13 @@ def layer_times(trace: TraceRecorder, plan_index: int | None = None) -> tuple[fl
     """(A, M): per-MoE-layer accelerator time (attention and the rest of the layer) and CPU
     routed-expert time, medians over layers, from a traced pipelined step (slices are real
     execution intervals there)."""
-    acc: dict[int, float] = {}
-    cpu: dict[int, float] = {}
-    for s in trace.slices:
-        a = s["args"]
-        if plan_index is not None and a.get("plan") != plan_index:
-            continue
-        layer = int(a.get("layer", -1))
-        dur = (s["end_ns"] - s["start_ns"]) / 1e9
-        if s["resource"] == "cpu_experts":
-            cpu[layer] = cpu.get(layer, 0.0) + dur
-        elif s["resource"].startswith("acc") and layer >= 0:
-            acc[layer] = acc.get(layer, 0.0) + dur
-    moe = sorted(cpu)
-    if not moe:
+    split = attention_moe_split(
+        (s["resource"], int(s["args"].get("layer", -1)), (s["end_ns"] - s["start_ns"]) / 1e9)
+        for s in trace.slices
+        if plan_index is None or s["args"].get("plan") == plan_index
+    )
+    if split is None:
         raise ValueError(
             "layer_times: the trace has no CPU expert slices (not a decode step of a MoE model?)"
         )
-    return float(np.median([acc.get(i, 0.0) for i in moe])), float(np.median([cpu[i] for i in moe]))
+    return split

@@ -5,7 +5,9 @@
 from __future__ import annotations
 
 import json
+import statistics
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -78,3 +80,23 @@ def load_slices(path: str | Path) -> list[dict[str, Any]]:
         for e in d["traceEvents"]
         if e.get("ph") == "X"
     ]
+
+
+def attention_moe_split(items: Iterable[tuple[str, int, float]]) -> tuple[float, float] | None:
+    """(A, M) of one decode step from (resource, layer, seconds) items: per MoE layer (a layer
+    with CPU routed-expert work), the accelerator's seconds and the CPU experts' seconds,
+    medians over those layers; None without CPU expert work (a dense model). engine/dual.py
+    reads the items off a trace, sim/serve.py off a simulated timeline."""
+    acc: dict[int, float] = {}
+    cpu: dict[int, float] = {}
+    for resource, layer, dur in items:
+        if resource == "cpu_experts":
+            cpu[layer] = cpu.get(layer, 0.0) + dur
+        elif resource.startswith("acc") and layer >= 0:
+            acc[layer] = acc.get(layer, 0.0) + dur
+    moe = sorted(cpu)
+    if not moe:
+        return None
+    return float(statistics.median(acc.get(i, 0.0) for i in moe)), float(
+        statistics.median(cpu[i] for i in moe)
+    )

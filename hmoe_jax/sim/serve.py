@@ -42,6 +42,7 @@ from typing import Any
 from hmoe_jax.config import ModelConfig
 from hmoe_jax.plan import costs
 from hmoe_jax.plan.format import Plan
+from hmoe_jax.plan.trace import attention_moe_split
 from hmoe_jax.policies.base import Chunk, Decode, Pending, Policy, Prefill, View
 from hmoe_jax.policies.registry import DEFAULT_POLICY, get_policy
 from hmoe_jax.sim.events import SimError, Simulator
@@ -356,6 +357,14 @@ class SimServer:
                     return results
         raise SimError(f"sim serve: not finished after {max_iterations} iterations")
 
+    def alone(self, plans: list[Plan]) -> tuple[float, Simulator, list[int]]:
+        """These plans started together on an otherwise idle box, sharing one lock per
+        resource (as a dual step's micro-batches do): seconds until the last ends, and the
+        simulator and runs to read their timelines from."""
+        solo = Simulator(self._price)
+        rids = [solo.submit(p, group="step") for p in plans]
+        return max(solo.run_until(rid=r) for r in rids), solo, rids
+
     def _view(self, results, order, live, rows_used) -> View:
         return View(
             now_s=self.sim.now_s,
@@ -387,9 +396,7 @@ class SimServer:
             # always take the same time), so the clock jumps instead of replaying its ops
             key = tuple(id(p) for p in plans)
             if key not in self._alone:
-                solo = Simulator(self._price)
-                ids = [solo.submit(p, group="step") for p in plans]
-                self._alone[key] = max(solo.run_until(rid=r) for r in ids)
+                self._alone[key] = self.alone(plans)[0]
             sim.run_until(t_s=sim.now_s + self._alone[key] + self.step_s)
         else:
             rids = [sim.submit(p, group=tag, label=f"decode{len(g)}") for p, g in zip(plans, groups)]
@@ -411,31 +418,21 @@ def _describe(a: Any) -> dict[str, Any]:
 
 
 def layer_times(timeline: list[dict[str, Any]]) -> tuple[float, float]:
-    """(A, M) of one simulated decode step, as engine/dual.layer_times reads a trace:
-    per MoE layer, accelerator seconds and CPU routed-expert seconds, medians over layers."""
-    acc: dict[int, float] = {}
-    cpu: dict[int, float] = {}
-    for r in timeline:
-        layer = -1 if r["layer"] is None else int(r["layer"])
-        if r["queue"] == "cpu_experts":
-            cpu[layer] = cpu.get(layer, 0.0) + r["dur_s"]
-        elif str(r["queue"]).startswith("acc") and layer >= 0:
-            acc[layer] = acc.get(layer, 0.0) + r["dur_s"]
-    moe = sorted(cpu)
-    if not moe:
-        raise SimError("layer_times: the step has no CPU expert ops (a dense model?)")
-    return (
-        float(statistics.median(acc.get(i, 0.0) for i in moe)),
-        float(statistics.median(cpu[i] for i in moe)),
+    """(A, M) of one simulated decode step, as engine/dual.layer_times reads a trace
+    (plan.trace.attention_moe_split)."""
+    split = attention_moe_split(
+        (str(r["queue"]), -1 if r["layer"] is None else int(r["layer"]), r["dur_s"]) for r in timeline
     )
+    if split is None:
+        raise SimError("layer_times: the step has no CPU expert ops (a dense model?)")
+    return split
 
 
 def decode_step_s(cfg: ModelConfig, profile: Profile, batch: int, context: int) -> float:
     """One decode step of `batch` rows at `context` alone on the profile's box (as the
     serving loop prices it: the plan, then the host's step work)."""
     srv = SimServer(cfg, profile, "fcfs", max_batch=batch, max_len=context + 64)
-    sim = Simulator(pricer(srv.profile, cfg))
-    return sim.run_until(rid=sim.submit(srv._plan("cpu", 1, 1, context, batch))) + srv.step_s
+    return srv.alone([srv._plan("cpu", 1, 1, context, batch)])[0] + srv.step_s
 
 
 def decode_arms(
@@ -452,18 +449,16 @@ def decode_arms(
     h = (batch + 1) // 2
     out: dict[str, Any] = {}
 
-    def step(groups: list[int]) -> tuple[float, list[tuple[float, float]]]:
-        sim = Simulator(pricer(srv.profile, cfg))
-        plans = [srv._plan("cpu", 1, 1, context, g) for g in groups]
-        rids = [sim.submit(p, group="dual") for p in plans]
-        end = max(sim.run_until(rid=r) for r in rids) + srv.step_s
-        return end, [layer_times(sim.timeline(r)) for r in rids]
+    def step(groups: list[int]) -> tuple[float, list[int], Simulator]:
+        end_s, sim, rids = srv.alone([srv._plan("cpu", 1, 1, context, g) for g in groups])
+        return end_s + srv.step_s, rids, sim
 
-    out["plain_step_s"], (full,) = step([batch])
-    half_s, (half,) = step([h])
-    rest_s = step([batch - h])[0] if batch - h != h else half_s
-    out["sequential_step_s"] = half_s + rest_s
-    out["dual_step_s"] = step([h, batch - h])[0] if batch >= 2 else out["plain_step_s"]
+    out["plain_step_s"], (rid,), sim = step([batch])
+    full = layer_times(sim.timeline(rid))
+    half_s, (rid,), sim = step([h])
+    half = layer_times(sim.timeline(rid))
+    out["sequential_step_s"] = half_s + (step([batch - h])[0] if batch - h != h else half_s)
+    out["dual_step_s"] = step([h, batch - h])[0]
     out["attn_layer_s"], out["moe_layer_s"] = half
     out["full_attn_layer_s"], out["full_moe_layer_s"] = full
     return out
