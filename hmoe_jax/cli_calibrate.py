@@ -7,11 +7,15 @@ What is measured (about 1-2 minutes on 2 cores), each a median of repeated calls
 - host DRAM read bandwidth: the hmoe_read_bytes probe over 1 GiB (all pool threads);
 - the fused FP8 MoE op (our CPU expert kernel) at M = 1 and 4 on DeepSeek-V3 expert shapes
   (7168 x 2048), experts rotated over > 1 GiB so each call reads DRAM: bytes/s over the read
-  probe = expert_bw_efficiency; the INT4 op likewise; at a prefill M (256 tokens, top-8 of
-  32 experts) flops/s over the measured VDPBF16PS peak = expert_compute_efficiency;
+  probe = expert_bw_efficiency; the INT4 op likewise; at prefill M = 256 and 64 (top-8 of
+  32 experts: 64 and 16 rows per expert) flops/s over the measured VDPBF16PS peak =
+  expert_compute_efficiency and expert_compute_efficiency_small;
 - the stand-in accelerator: its pieces' FP8 weight matmuls go through our FP8 GEMM kernel
   (model/precision.py hooks), so its bf16 GEMM rate is that kernel at M = 512 on 7168 x 2048,
   its weight-read rate the same kernel at M = 1 over rotated matrices; fp32: an XLA f32 dot;
+  the engine's prefill attention piece on one DeepSeek-V3 layer in each form (absorbed at
+  128 tokens, expanded at 512) = attn_absorbed_tflops / attn_expanded_tflops
+  (calibrate_standin.py);
 - the staging ring's copy threads (StagingRing, 2 threads, 256 MiB slots) and a hop
   (jax.device_put between two CPU devices, 8 MiB);
 - per-op overheads from the engine's own traces on the tiny model (weights in cache, so a
@@ -120,7 +124,7 @@ def _fp8_stack(rng, e: int, n: int, k: int):
     w = aligned_empty((e, n, k), np.uint8)
     w.reshape(-1)[:] = np.frombuffer(rng.bytes(w.size), np.uint8)
     w[(w & 0x7F) == 0x7F] = 0  # no NaN codes
-    s = aligned_empty((e, n // 128, k // 128), np.float32)
+    s = aligned_empty((e, -(-n // 128), -(-k // 128)), np.float32)  # 128 x 128 blocks, edges partial
     s[...] = 1e-3
     return Fp8Tensor(
         w=device_put_zero_copy(w.view(ml_dtypes.float8_e4m3fn)), scale_inv=device_put_zero_copy(s)
@@ -175,88 +179,19 @@ def expert_kernel(rng, probe: ReadProbe, fmt: str, n_experts: int, repeats: int)
         out[f"m{m}_gbps"] = statistics.mean(distinct) * one / t / 1e9
         out[f"m{m}_probe_gbps"] = bw
         out[f"m{m}_rows_per_expert"] = m * k / statistics.mean(distinct)
-    m = 256
-    ids = np.stack([rng.permutation(n_experts)[:k] for _ in range(m)]).astype(np.int32)
-    x = jnp.asarray(rng.standard_normal((m, d)), jnp.float32)
-    t = _median_s(
-        lambda: fn(x, jnp.asarray(ids), jnp.full((m, k), 1.0 / k, jnp.float32), ex),
-        max(3, repeats // 2),
-        probe=probe,
-    )
-    out["prefill_tflops"] = 2 * 3 * d * i * m * k / t / 1e12
+    # prefill sizes: the kernel's flops/s grows with rows per expert (each expert's weights
+    # are unpacked once per call, whatever its rows): measured at two points
+    for key, m in (("prefill_small", 64), ("prefill", 256)):
+        ids = np.stack([rng.permutation(n_experts)[:k] for _ in range(m)]).astype(np.int32)
+        x = jnp.asarray(rng.standard_normal((m, d)), jnp.float32)
+        t = _median_s(
+            lambda x=x, ids=ids, m=m: fn(x, jnp.asarray(ids), jnp.full((m, k), 1.0 / k, jnp.float32), ex),
+            max(3, repeats // 2),
+            probe=probe,
+        )
+        out[f"{key}_tflops"] = 2 * 3 * d * i * m * k / t / 1e12
+        out[f"{key}_rows_per_expert"] = m * k / n_experts
     return out
-
-
-def convert_gbps(rng, probe: ReadProbe, repeats: int) -> float:
-    """Weight bytes/s of the stand-in's experts_acc piece (runtime/pieces.experts_group: FP8
-    expert weights dequantised inside XLA, then ragged dots) on one real-shape expert with
-    16 rows: what a ring slot costs the stand-in beyond its GEMM flops."""
-    import jax.numpy as jnp
-
-    from hmoe_jax.engine.engine import precision_for
-    from hmoe_jax.model.params import ExpertsParams
-    from hmoe_jax.runtime import pieces
-    from hmoe_jax.runtime.placement import make_placement
-
-    d, i, rows = 7168, 2048, 16
-    prec = precision_for("bf16", make_placement(1))
-    groups = [
-        ExpertsParams(
-            gate=_fp8_stack(rng, 1, i, d), up=_fp8_stack(rng, 1, i, d), down=_fp8_stack(rng, 1, d, i)
-        )
-        for _ in range(4)
-    ]
-    one = 3 * (d * i + 4 * (d // 128) * (i // 128))
-    x = jnp.asarray(rng.standard_normal((rows, d)), jnp.float32)
-    token = jnp.arange(rows, dtype=jnp.int32)
-    wts = jnp.full((rows,), 0.5, jnp.float32)
-    sizes = np.array([rows], np.int32)
-    state = {"acc": jnp.zeros((rows, d), jnp.float32), "j": 0}
-
-    def call():
-        state["j"] += 1
-        g = groups[state["j"] % len(groups)]
-        state["acc"] = pieces.experts_group(
-            x, state["acc"], token, wts, np.int32(0), sizes, g, rows=rows, prec=prec
-        )
-        return state["acc"]
-
-    return one / _median_s(call, max(3, repeats // 2), warmup=len(groups), probe=probe) / 1e9
-
-
-def standin_gemm(rng, probe: ReadProbe, repeats: int) -> dict[str, float]:
-    """The stand-in accelerator's GEMM rates: our FP8 GEMM kernel (what its pieces call for
-    FP8 weights under the bf16 policy) at M = 512 and at M = 1 over rotated matrices, and an
-    XLA f32 dot (the f32 policy)."""
-    import jax
-    import jax.numpy as jnp
-
-    from hmoe_jax.kernels.gemm import fp8_matmul
-
-    n, kk = 2048, 7168
-    mats = _fp8_stack(rng, 24, n, kk)  # 24 x 14.7 MB = 352 MB... rotated with the next stack
-    mats2 = _fp8_stack(rng, 24, n, kk)
-    from hmoe_jax.quant.fp8 import Fp8Tensor
-
-    ws = [Fp8Tensor(w=st.w[j], scale_inv=st.scale_inv[j]) for st in (mats, mats2) for j in range(24)]
-    f = jax.jit(fp8_matmul)
-    x1 = jnp.asarray(rng.standard_normal((1, kk)), jnp.bfloat16)
-    it = iter(range(10**9))
-    t1, bw = side_by_side(probe, lambda: f(x1, ws[next(it) % len(ws)]), len(ws), repeats)
-    wb = n * kk + 4 * (n // 128) * (kk // 128)
-    m = 512
-    xm = jnp.asarray(rng.standard_normal((m, kk)), jnp.bfloat16)
-    tm = _median_s(lambda: f(xm, ws[0]), max(3, repeats // 2), probe=probe)
-    a = jnp.asarray(rng.standard_normal((m, kk)), jnp.float32)
-    b = jnp.asarray(rng.standard_normal((kk, n)), jnp.float32)
-    dot = jax.jit(jnp.dot)
-    t32 = _median_s(lambda: dot(a, b), max(3, repeats // 2), probe=probe)
-    return {
-        "gemv_gbps": wb / t1 / 1e9,
-        "gemv_probe_gbps": bw,
-        "bf16_tflops": 2 * m * n * kk / tm / 1e12,
-        "fp32_tflops": 2 * m * n * kk / t32 / 1e12,
-    }
 
 
 def copy_rates(repeats: int) -> dict[str, float]:
@@ -392,6 +327,18 @@ def write_profile(path: Path, m: dict[str, Any]) -> str:
                 min(1.0, fx["prefill_tflops"] / peak),
                 f"{here}: fused FP8 MoE op M=256 top-8 of 32, {fx['prefill_tflops']:.3f} TFLOPS over the peak",
             ),
+            "expert_compute_rows_per_expert": (
+                fx["prefill_rows_per_expert"],
+                f"{here}: rows per expert of that M=256 measurement (256 rows x top-8 of 32)",
+            ),
+            "expert_compute_efficiency_small": (
+                min(1.0, fx["prefill_small_tflops"] / peak),
+                f"{here}: fused FP8 MoE op M=64 top-8 of 32, {fx['prefill_small_tflops']:.3f} TFLOPS over the peak",
+            ),
+            "expert_compute_small_rows_per_expert": (
+                fx["prefill_small_rows_per_expert"],
+                f"{here}: rows per expert of that M=64 measurement (64 rows x top-8 of 32)",
+            ),
             "int4_expert_bw_efficiency": (
                 min(1.0, ix["m1_gbps"] / ix["m1_probe_gbps"]),
                 f"{here}: fused INT4 MoE op M=1 {ix['m1_gbps']:.1f} GB/s over its side-by-side read probe {ix['m1_probe_gbps']:.1f} GB/s",
@@ -421,6 +368,15 @@ def write_profile(path: Path, m: dict[str, Any]) -> str:
                 f"{here}: our FP8 GEMV (M=1) {g['gemv_gbps']:.1f} GB/s over 48 rotated 2048 x 7168 matrices, over its side-by-side read probe {g['gemv_probe_gbps']:.1f} GB/s",
             ),
             "mem_bytes": (m["mem_bytes"], "measured: host RAM (os.sysconf), the stand-in's memory"),
+            **{
+                f"attn_{form}_tflops": (
+                    a["tflops"],
+                    f"{here}: the engine's blocked MLA prefill attention ({form} form, FP8 weights through the "
+                    f"bf16 policy's hooks) on one {a['model']} layer, {a['tokens']} new tokens, "
+                    f"plan.costs.attn_flops over {a['seconds']:.3f} s, median",
+                )
+                for form, a in m["attention"].items()
+            },
             "weight_convert_gbps": (
                 g["convert_gbps"],
                 f"{here}: the experts_acc piece (XLA dequantises the slot's FP8 weights, then ragged dots) on one 7168 x 2048 expert, 16 rows, median",
@@ -499,8 +455,12 @@ def calibrate(quick: bool = False, devices: int = 2) -> dict[str, Any]:
     print(f"[calibrate] fp8 experts {m['fp8_experts']}", flush=True)
     m["int4_experts"] = expert_kernel(rng, probe, "int4", 48, reps)
     print(f"[calibrate] int4 experts {m['int4_experts']}", flush=True)
+    from hmoe_jax.calibrate_standin import convert_gbps, standin_attention, standin_gemm
+
     m["gemm"] = standin_gemm(rng, probe, reps)
     m["gemm"]["convert_gbps"] = convert_gbps(rng, probe, reps)
+    m["attention"] = standin_attention(rng, probe, reps)
+    print(f"[calibrate] stand-in attention {m['attention']}", flush=True)
     if probe.all_tflops:
         m["bf16_peak_tflops"] = statistics.median(probe.all_tflops)
         m["bf16_peak_how"] = (

@@ -195,3 +195,75 @@ def test_int4_experts_read_fewer_bytes_and_decode_faster(paper):
     assert int4["step_s"] < fp8["step_s"]
     with pytest.raises(ValueError):
         simulate_decode_step(cfg, p1, 1024, expert_format="int3")
+
+
+def test_prefill_expert_compute_efficiency_follows_rows_per_expert(paper):
+    """With a measured small-M point, the expert kernel's time per flop is linear in 1 / rows
+    per expert between the two points and held outside them (hand arithmetic below)."""
+    import dataclasses
+
+    cfg = named_model_config("deepseek_v3")
+    cpu = {
+        **paper.values["cpu"],
+        "expert_compute_efficiency": 0.8,
+        "expert_compute_rows_per_expert": 64.0,
+        "expert_compute_efficiency_small": 0.5,
+        "expert_compute_small_rows_per_expert": 16.0,
+    }
+    rates = Rates(dataclasses.replace(paper, values={**paper.values, "cpu": cpu}))
+    one = costs.expert_bytes(cfg)
+    peak = 14.5e12  # per node
+
+    def cpu_s(rows: int, experts: int) -> float:
+        b = PlanBuilder("t", 1)
+        b.add("experts_cpu", "cpu_experts", bytes=experts * one, flops=1e12, tokens=[0, rows])
+        plan = b.build(batch=1)
+        (ph,) = price_op(rates, plan, plan.ops[0], (0,), cfg)
+        return ph.demand_s["cpu0"]
+
+    half = 0.5e12  # each node runs half the flops
+    # 1024 rows x top-8 over 256 experts = 32 rows per expert: x = (1/32 - 1/64) / (1/16 - 1/64)
+    # = 1/3, so 1/eff = (2/3) / 0.8 + (1/3) / 0.5 = 1.5
+    assert cpu_s(1024, 256) == pytest.approx(half / peak * 1.5)
+    assert cpu_s(4096, 256) == pytest.approx(half / peak / 0.8)  # 128 per expert: held at the large point
+    assert cpu_s(256, 256) == pytest.approx(half / peak / 0.5)  # 8 per expert: held at the small point
+    flat = Rates(paper)  # no small point: one efficiency at every M
+    b = PlanBuilder("t", 1)
+    b.add("experts_cpu", "cpu_experts", bytes=256 * one, flops=1e12, tokens=[0, 1024])
+    plan = b.build(batch=1)
+    (ph,) = price_op(flat, plan, plan.ops[0], (0,), cfg)
+    assert ph.demand_s["cpu0"] == pytest.approx(half / peak / paper["cpu.expert_compute_efficiency"])
+
+
+def test_prefill_attention_runs_at_its_measured_form_rate(paper):
+    """A prefill attention piece with a measured rate for its form takes flops / that rate
+    (not scaled by compute_efficiency); without one, or fused with the shared expert (a decode
+    piece), the GEMM rate x compute_efficiency."""
+    import dataclasses
+
+    acc = {**paper.values["accelerator"], "attn_absorbed_tflops": 50.0}
+    rates = Rates(dataclasses.replace(paper, values={**paper.values, "accelerator": acc}))
+    gemm = paper["accelerator.bf16_tflops"] * paper["accelerator.compute_efficiency"] * 1e12
+
+    def acc_s(kind: str, **args) -> float:
+        b = PlanBuilder("t", 1)
+        b.add(kind, "acc:0", flops=1e13, tokens=[0, 128], **args)
+        plan = b.build(batch=1, compute_dtype="bf16")
+        (ph,) = price_op(rates, plan, plan.ops[0], (0,), None)
+        return ph.demand_s["acc0"]
+
+    assert acc_s("attn", form="absorbed") == pytest.approx(1e13 / 50e12)
+    assert acc_s("attn_route", form="absorbed", with_shared=False) == pytest.approx(1e13 / 50e12)
+    assert acc_s("attn_route", form="absorbed", with_shared=True) == pytest.approx(1e13 / gemm)
+    assert acc_s("attn", form="expanded") == pytest.approx(1e13 / gemm)  # no expanded rate measured
+    assert acc_s("shared") == pytest.approx(1e13 / gemm)
+    # the engine's plans say which form each prefill attention op runs (model/attention.py's rule)
+    from hmoe_jax.plan.system import SystemSpec
+    from hmoe_jax.schedules.registry import get_schedule
+
+    cfg = named_model_config("deepseek_v3_tiny")
+    for sched in ("cpu", "slp"):
+        for n, form in ((64, "absorbed"), (256, "expanded")):
+            plan = get_schedule(sched).plan(cfg, SystemSpec(), n, devices=1)
+            forms = {o.args.get("form") for o in plan.ops if o.kind in ("attn", "attn_route")}
+            assert forms == {form}, (sched, n, forms)

@@ -16,7 +16,8 @@ Measured (each a median of timed runs after one compile run; nothing typed in):
 - mem_gbps: one read of a large bf16 array (a sum), bytes / seconds.
 - the engine's blocked MLA prefill attention (model.attention.prefill_attention, bf16) of one
   real DeepSeek-V3 layer at 4K tokens: seconds and TFLOPS by the cost model's attn_flops,
-  reported next to the bf16 GEMM rate it is priced at (a check of that pricing).
+  written as attn_expanded_tflops (the rate expanded-form prefill attention is priced at) and
+  reported next to the bf16 GEMM rate.
 - acc_op_s: a tiny jitted op dispatched and waited for.
 The profile takes compute_efficiency = mem_efficiency = 1.0: the rates above are effective
 rates. One JSON line with every measurement ends stdout.
@@ -143,6 +144,13 @@ def write(base_path: str, out: Path, m: dict) -> None:
         "mem_gbps": (m["mem_gbps"], f"{here}: one read of a {m['mem_bytes_read'] >> 20} MiB bf16 array"),
         "mem_efficiency": (1.0, "derived: mem_gbps is a measured effective rate"),
         "mem_bytes": (m["mem_bytes"], f"{here}: memory_stats bytes_limit"),
+        # the piece's own rate, which the simulator prices expanded-form prefill attention at
+        # (>= 256 new tokens); absorbed-form chunks keep the GEMM rate (not measured here)
+        "attn_expanded_tflops": (
+            m["attention"]["tflops"],
+            f"{here}: the engine's blocked MLA prefill attention (bf16) of one {m['attention']['model']} "
+            f"layer at {m['attention']['tokens']} tokens, plan.costs.attn_flops over its median seconds",
+        ),
     }
     link = {
         "h2d_gbps": (

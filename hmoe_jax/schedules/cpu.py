@@ -50,6 +50,7 @@ def add_attention(
         ),
         deps=[dep],
         tokens=[t0, t1],
+        form=costs.attn_form(attn_kw(attn).get("form", "auto"), t1 - t0),
     )
 
 
@@ -132,6 +133,7 @@ class CpuSchedule(Schedule):
                         flops=flops + (costs.shared_flops(cfg, n) if with_shared else 0),
                         deps=[h],
                         tokens=[t0, t1],
+                        form=costs.attn_form(attn_kw(attn).get("form", "auto"), t1 - t0),
                         with_shared=with_shared,
                     )
                 else:

@@ -21,11 +21,15 @@ spread evenly over dram<n>. Op kinds, as runtime/executor.py and runtime/dist_ex
 - accelerator pieces (embed, attn, attn_route, route, shared, dense_ffn, combine, final,
   experts_acc, forward): acc_op_s, then flops on acc<i> and bytes on accmem<i>; experts_acc
   also converts its slot's FP8 weights inside XLA (weight_convert_gbps, when the profile has
-  one: the stand-in's dense_weight pass);
+  one: the stand-in's dense_weight pass); a prefill attention piece (attn / attn_route without
+  the fused shared expert, args.form absorbed or expanded) runs at the profile's
+  attn_<form>_tflops when it has one (the piece's measured rate: not one GEMM);
 - d2h / h2d (activation hops): hop_s, then bytes on the link and on host DRAM;
 - experts_cpu: cpu_op_s, then bytes on xbw<n> (the kernel's read rate: expert_bw_efficiency
-  at one row per touched expert, towards expert_bw_efficiency_batched at more rows) and dram<n> and flops / (CPU peak x
-  expert_compute_efficiency), split evenly over the nodes (plan.meta["expert_format"] =
+  at one row per touched expert, towards expert_bw_efficiency_batched at more rows) and
+  dram<n> and flops / (CPU peak x expert_compute_efficiency; with the profile's small-M
+  point, the efficiency at the op's rows per touched expert: Rates.expert_flops_at), split
+  evenly over the nodes (plan.meta["expert_format"] =
   "int4": the INT4 kernel's efficiency; the bytes are already INT4's, sim/reads.py);
 - stage: stage_s, then bytes on copy<i> (the threads' own rate, when the profile has one) and
   2 x bytes on DRAM (a memcpy reads and writes);
@@ -101,6 +105,33 @@ class Rates:
         self.accelerators = int(acc["count"])
         self.on_host = acc["placement"] == "host"
         self.convert = acc["weight_convert_gbps"] * GB if "weight_convert_gbps" in acc else None
+        # the prefill attention piece's own rate per form (effective: no compute_efficiency)
+        self.attn = {
+            f: acc[f"attn_{f}_tflops"] * TERA for f in ("absorbed", "expanded") if f"attn_{f}_tflops" in acc
+        }
+        # expert compute at prefill M: (rows per expert, efficiency) at two points, or None
+        keys = ("expert_compute_small_rows_per_expert", "expert_compute_efficiency_small")
+        self.expert_small = (
+            (cpu[keys[0]], cpu[keys[1]], cpu["expert_compute_rows_per_expert"])
+            if all(k in cpu for k in (*keys, "expert_compute_rows_per_expert"))
+            else None
+        )
+        self.expert_eff = cpu["expert_compute_efficiency"]
+        self.peak = cpu["bf16_tflops_per_node"] * TERA
+
+    def expert_flops_at(self, rows_per_expert: float) -> float:
+        """The expert kernel's flops/s per node at `rows_per_expert`: expert_flops, or with
+        a measured small-M point, time per flop linear in 1 / rows between the two points
+        (a fixed per-expert cost shared by its rows), held outside them."""
+        if self.expert_small is None:
+            return self.expert_flops
+        r_s, eff_s, r_l = self.expert_small
+        r = min(max(rows_per_expert, r_s), r_l)
+        if r_l <= r_s:
+            return self.expert_flops
+        x = (1.0 / r - 1.0 / r_l) / (1.0 / r_s - 1.0 / r_l)  # 0 at the large point, 1 at the small
+        inv = (1 - x) / self.expert_eff + x / eff_s
+        return self.peak / inv
 
 
 def _add(d: dict[str, float], r: str, s: float) -> None:
@@ -139,18 +170,21 @@ def _compute(
     nbytes: float,
     label: str,
     convert: bool = False,
+    rate: float | None = None,
 ) -> Phase:
-    """convert: the piece dequantises its FP8 weights (nbytes) inside XLA first (experts_acc)."""
+    """convert: the piece dequantises its FP8 weights (nbytes) inside XLA first (experts_acc);
+    rate: the piece's own flops/s (default: the GEMM rate of `dtype`)."""
     d: dict[str, float] = {}
     conv_s = nbytes / rates.convert if (convert and rates.convert) else 0.0
+    flops_s = flops / (rate or rates.acc[dtype])
     for i in devs:
         _add(d, f"accmem{i}", nbytes / rates.acc_mem)
         if rates.on_host:  # a stand-in: its GEMMs (and converts) use every core, its reads host DRAM
             for n in range(rates.nodes):
-                _add(d, f"cpu{n}", flops / rates.acc[dtype] + conv_s)
+                _add(d, f"cpu{n}", flops_s + conv_s)
             _host(d, rates, nbytes)
         else:
-            _add(d, f"acc{i}", flops / rates.acc[dtype] + conv_s)
+            _add(d, f"acc{i}", flops_s + conv_s)
     return Phase(label, d, rates.overheads["acc_op_s"])
 
 
@@ -207,6 +241,10 @@ def price_op(
     o, k = rates.overheads, op.kind
     if k in ACC_PIECES:
         dev = _device(devices, op.resource, rates)
+        form = op.args.get("form")
+        if k in ("attn", "attn_route") and form in rates.attn and not op.args.get("with_shared"):
+            # a prefill attention piece at its own measured rate (the router's flops ride along)
+            return (_compute(rates, _dtype(plan), (dev,), op.flops, op.bytes, k, rate=rates.attn[form]),)
         return (_compute(rates, _dtype(plan), (dev,), op.flops, op.bytes, k, convert=k == "experts_acc"),)
     if k in ("d2h", "h2d"):
         return (_link(rates, _device(devices, op.resource, rates), op.bytes, k, o["hop_s"], k),)
@@ -219,17 +257,21 @@ def price_op(
         t0, t1 = op.args.get("tokens", (0, plan.num_tokens))
         rows = (int(t1) - int(t0)) * int(plan.meta.get("batch", 1))
         rate = rates.expert_dram[fmt]
-        if fmt == "fp8" and rows > 1 and rates.expert_rpe_b > 1 and cfg is not None and op.bytes:
+        flops_rate = rates.expert_flops
+        if fmt == "fp8" and rows > 1 and cfg is not None and op.bytes:
             experts = op.bytes / costs.expert_bytes(cfg)  # expected distinct experts (sim/reads.py)
-            rpe = min(max(rows * cfg.num_experts_per_tok / experts, 1.0), rates.expert_rpe_b)
-            x = (rpe - 1.0) / (rates.expert_rpe_b - 1.0)
-            inv = (1 - x) / rates.expert_eff1 + x / rates.expert_eff_b
-            rate = rates.dram / inv
+            rows_per_expert = max(rows * cfg.num_experts_per_tok / experts, 1.0)
+            flops_rate = rates.expert_flops_at(rows_per_expert)
+            if rates.expert_rpe_b > 1:
+                rpe = min(rows_per_expert, rates.expert_rpe_b)
+                x = (rpe - 1.0) / (rates.expert_rpe_b - 1.0)
+                inv = (1 - x) / rates.expert_eff1 + x / rates.expert_eff_b
+                rate = rates.dram / inv
         d: dict[str, float] = {}
         _host(d, rates, op.bytes)
         for n in range(rates.nodes):
             _add(d, f"xbw{n}", op.bytes / rates.nodes / rate)
-            _add(d, f"cpu{n}", op.flops / rates.nodes / rates.expert_flops)
+            _add(d, f"cpu{n}", op.flops / rates.nodes / flops_rate)
         return (Phase(k, d, o["cpu_op_s"]),)
     if k == "stage":
         return (_copy(rates, op.bytes, devices[0], o["stage_s"]),)

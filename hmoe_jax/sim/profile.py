@@ -46,6 +46,14 @@ SCHEMA: dict[str, dict[str, _R]] = {
         "bf16_tflops_per_node": (float, True, "pos"),  # peak of the instructions our kernels use
         "expert_bw_efficiency": (float, True, "frac"),  # expert kernel bytes/s / sustained read
         "expert_compute_efficiency": (float, True, "frac"),  # expert kernel flops/s / peak (large M)
+        # prefill M is not one point: the kernel unpacks each expert's weights once per call,
+        # so its flops/s grows with rows per expert. expert_compute_efficiency was measured at
+        # expert_compute_rows_per_expert rows per expert, the _small one at
+        # expert_compute_small_rows_per_expert; between them the time per flop is linear in
+        # 1 / rows (a fixed cost per expert shared by its rows), held beyond; absent: flat
+        "expert_compute_rows_per_expert": (float, False, "pos"),
+        "expert_compute_efficiency_small": (float, False, "frac"),
+        "expert_compute_small_rows_per_expert": (float, False, "pos"),
         # the same with several rows per touched expert (batched decode), measured at
         # expert_batched_rows_per_expert rows per expert; between 1 row and that, the kernel's
         # time per expert is interpolated linearly (each extra row adds the same compute);
@@ -67,6 +75,12 @@ SCHEMA: dict[str, dict[str, _R]] = {
         "bf16_tflops": (float, True, "pos"),
         "fp8_tflops": (float, True, "pos"),
         "compute_efficiency": (float, True, "frac"),  # a piece's GEMMs / dense peak
+        # the engine's prefill attention piece as a whole (projections, absorbed per-head
+        # matmuls or per-block kv_b expansion, scores, softmax), flops by plan.costs.attn_flops
+        # per second, per form (absorbed: chunks below 256 new tokens; expanded: from 256):
+        # effective rates, not scaled by compute_efficiency; absent: the GEMM rate
+        "attn_absorbed_tflops": (float, False, "pos"),
+        "attn_expanded_tflops": (float, False, "pos"),
         "mem_gbps": (float, True, "pos"),
         "mem_efficiency": (float, True, "frac"),
         "mem_bytes": (int, True, "count"),
@@ -200,7 +214,14 @@ class Profile:
         if values["accelerator"]["placement"] == "host":
             keys += [
                 ("accelerator", k)
-                for k in ("fp32_tflops", "bf16_tflops", "fp8_tflops", "weight_convert_gbps")
+                for k in (
+                    "fp32_tflops",
+                    "bf16_tflops",
+                    "fp8_tflops",
+                    "weight_convert_gbps",
+                    "attn_absorbed_tflops",
+                    "attn_expanded_tflops",
+                )
             ]
         for s, k in keys:
             if k in values[s]:
