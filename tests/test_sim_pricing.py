@@ -267,3 +267,26 @@ def test_prefill_attention_runs_at_its_measured_form_rate(paper):
             plan = get_schedule(sched).plan(cfg, SystemSpec(), n, devices=1)
             forms = {o.args.get("form") for o in plan.ops if o.kind in ("attn", "attn_route")}
             assert forms == {form}, (sched, n, forms)
+
+
+def test_a_reading_expert_op_holds_the_cores_it_streams_with(paper):
+    """The expert kernel's threads are every core of a node: while it streams experts the
+    cores are busy, so its cpu<n> demand is the longer of compute and reads, and a concurrent
+    compute-bound host user halves its read speed (on a stand-in box, the XLA pool)."""
+    cfg = named_model_config("deepseek_v3")
+    rates = Rates(paper)
+    b = PlanBuilder("t", 1)
+    b.add("experts_cpu", "cpu_experts", bytes=8 * costs.expert_bytes(cfg), flops=1e6, tokens=[0, 1])
+    plan = b.build(batch=1)
+    (ph,) = price_op(rates, plan, plan.ops[0], (0,), cfg)
+    assert ph.demand_s["cpu0"] == pytest.approx(ph.demand_s["xbw0"])  # read-bound: cores held as long
+    alone = ph.alone_s
+
+    hog = PlanBuilder("hog", 1)
+    hog.add("experts_cpu", "cpu_experts", flops=1e15, tokens=[0, 4096])  # compute-bound, no reads
+    sim = Simulator(pricer(paper, cfg))
+    sim.submit(hog.build(batch=1))
+    r = sim.submit(plan)
+    sim.run_until(rid=r)
+    # two users of cpu0 and cpu1 at equal dominant share: the reader gets half of each core set
+    assert sim.runs[r].end_s == pytest.approx(2 * alone - paper["overheads.cpu_op_s"], rel=1e-6)

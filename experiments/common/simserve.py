@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import statistics
 from typing import Any
 
@@ -34,6 +36,22 @@ def token_timings(token_s: list[float], arrival_s: float) -> dict[str, float | N
         "tpot_s": float(np.mean(gaps)) if gaps.size else None,
         "e2e_s": token_s[-1] - arrival_s if token_s else None,
     }
+
+
+def replay_log(rs, t0: float) -> list[dict]:
+    """What the simulator needs to replay a measured run (experiments/common/simserve.py):
+    each request's arrival, prompt length, token times (s, from t0) and how it ended."""
+    return [
+        {
+            "arrival_s": r.submitted_s - t0,
+            "prompt_tokens": int(r.prompt.size),
+            "token_s": [t - t0 for t in r.token_s],
+            "finished_s": None if r.finished_s is None else r.finished_s - t0,
+            "finish_reason": r.finish_reason,
+            "schedule": r.schedule,
+        }
+        for r in rs
+    ]
 
 
 def backend_server(cfg, prof, backend: str, long_len: int, max_len: int, log: list[dict]):
@@ -61,6 +79,29 @@ def backend_server(cfg, prof, backend: str, long_len: int, max_len: int, log: li
     )
 
 
+def replay_requests(kept: list[dict], max_len: int):
+    """(SimRequests, stop) replaying one measured round as its client ran it. e06's client
+    cancels a round's decodes once its prompt request (finish_reason "length") has its last
+    token: so those requests decode until the simulated prompt request is done, not for a
+    fixed count (a replay at the measured count let a faster simulated decode end before the
+    prompt arrived and never see the stall). A round where every request was cancelled (the
+    alone decodes, cancelled after a count of timed steps) replays the measured counts."""
+    from hmoe_jax.sim.serve import from_replay
+
+    reqs = from_replay(kept)
+    done_by = [i for i, x in enumerate(kept) if x.get("finish_reason") != "cancelled"]
+    if len(done_by) == len(kept) or not done_by:
+        return reqs, None
+    for i, x in enumerate(kept):
+        if x.get("finish_reason") == "cancelled":
+            reqs[i] = dataclasses.replace(reqs[i], output_tokens=max_len - reqs[i].prompt_tokens)
+
+    def stop(results) -> bool:
+        return all(results[i].state == "done" for i in done_by)
+
+    return reqs, stop
+
+
 def _p90(v: list[float]) -> float:
     return float(np.percentile(v, 90))
 
@@ -69,8 +110,6 @@ def validate_mixes(cfg, rows: list[dict], prof_of, long_len: int, max_len: int) 
     """(one row per backend x mix x alone/mix: measured and simulated mean and p90 of each
     metric, the per-request errors; summary errors over those groups). prof_of(row): the
     profile to replay a mix row on."""
-    from hmoe_jax.sim.serve import from_replay
-
     out, pairs_all = [], {m: [] for m in METRICS}
     p90_errs = {m: [] for m in METRICS}
     mean_errs = {m: [] for m in METRICS}
@@ -86,7 +125,8 @@ def validate_mixes(cfg, rows: list[dict], prof_of, long_len: int, max_len: int) 
                 kept = [x for x in lg if x["token_s"]]
                 dslp |= any(x.get("schedule") == "dslp" for x in kept)
                 srv = backend_server(cfg, prof, row["backend"], long_len, max_len, kept)
-                res = srv.run(from_replay(kept))
+                reqs, stop = replay_requests(kept, max_len)
+                res = srv.run(reqs, stop=stop)
                 for x, r in zip(kept, res):
                     mt = token_timings(x["token_s"], x["arrival_s"])
                     st = token_timings(r.token_s, r.arrival_s)
@@ -129,6 +169,50 @@ def validate_mixes(cfg, rows: list[dict], prof_of, long_len: int, max_len: int) 
         summary[f"sim_error_{key}_per_request"] = errors(pairs_all[m])["mean_abs_pct"]
     summary["sim_validation_excluded"] = excluded
     return out, summary
+
+
+SIM_PARTS = ("sim_validation", "projection_batch", "projection_mix")
+
+
+def resimulate(record_path: str) -> tuple[dict, list[dict], dict]:
+    """Parts 4 and 5 of an e06 record redone with today's simulator on the record's own
+    measured rows (replay logs, probes): (config, rows, summary) for a new record that says
+    which measured record it re-simulates. Measured numbers are copied, never re-derived."""
+    from experiments.common.simval import local_profile
+    from experiments.e22_batched_decode import bench_twin_config
+
+    rec = json.loads(open(record_path).read())
+    cfg_rec = rec["config"]
+    if cfg_rec["quick"]:
+        from hmoe_jax.config import load_config
+        from hmoe_jax.io.synthetic import ensure_default_checkpoint
+
+        cfg = load_config(ensure_default_checkpoint(progress=False) / "config.json")
+    else:
+        cfg = bench_twin_config()
+    long_len, max_len = cfg_rec["long_prompt_tokens"], cfg_rec["max_len"]
+    measured = [r for r in rec["rows"] if r.get("part") not in SIM_PARTS]
+
+    def prof_of(row):
+        return local_profile(read_gbps=row["probe_gbps"]).with_accelerators(cfg_rec["stand_in_accelerators"])
+
+    val_rows, val_summary = validate_mixes(cfg, measured, prof_of, long_len, max_len)
+    proj_rows, proj_summary, proj_inputs = project(cfg_rec["quick"])
+    sim_keys = {k for k in rec["summary"] if k.startswith(("sim_", "projected_"))}
+    summary = {k: v for k, v in rec["summary"].items() if k not in sim_keys}
+    summary.update(val_summary, **proj_summary)
+    name = record_path.rsplit("/", 1)[-1].removesuffix(".json")
+    config = {
+        **{k: v for k, v in cfg_rec.items() if k not in ("quick", "threads", "projection")},
+        "projection": proj_inputs,
+        "resimulated_from": name,
+        "resimulated_note": (
+            f"parts 1-3 (every measured row and summary key) are {name}'s, copied; parts 4-5 "
+            "(sim_validation, projection rows, sim_* and projected_* keys) were recomputed by this "
+            "commit's simulator from that record's replay logs and probes"
+        ),
+    }
+    return config, measured + val_rows + proj_rows, summary
 
 
 # ---------------------------------------------------------------- projection

@@ -27,9 +27,11 @@ spread evenly over dram<n>. Op kinds, as runtime/executor.py and runtime/dist_ex
 - d2h / h2d (activation hops): hop_s, then bytes on the link and on host DRAM;
 - experts_cpu: cpu_op_s, then bytes on xbw<n> (the kernel's read rate: expert_bw_efficiency
   at one row per touched expert, towards expert_bw_efficiency_batched at more rows) and
-  dram<n> and flops / (CPU peak x expert_compute_efficiency; with the profile's small-M
-  point, the efficiency at the op's rows per touched expert: Rates.expert_flops_at), split
-  evenly over the nodes (plan.meta["expert_format"] =
+  dram<n> and on cpu<n> the longer of flops / (CPU peak x expert_compute_efficiency; with the
+  profile's small-M point, the efficiency at the op's rows per touched expert:
+  Rates.expert_flops_at) and its read time (the kernel's threads are every core of the node,
+  busy while they stream: a concurrent user of those cores slows its reads), split evenly over
+  the nodes (plan.meta["expert_format"] =
   "int4": the INT4 kernel's efficiency; the bytes are already INT4's, sim/reads.py);
 - stage: stage_s, then bytes on copy<i> (the threads' own rate, when the profile has one) and
   2 x bytes on DRAM (a memcpy reads and writes);
@@ -180,8 +182,10 @@ def _compute(
     for i in devs:
         _add(d, f"accmem{i}", nbytes / rates.acc_mem)
         if rates.on_host:  # a stand-in: its GEMMs (and converts) use every core, its reads host DRAM
+            # the cores stay busy while its kernels stream weights too (no other thread runs
+            # there meanwhile): it holds them for the longer of compute and its reads
             for n in range(rates.nodes):
-                _add(d, f"cpu{n}", flops_s + conv_s)
+                _add(d, f"cpu{n}", max(flops_s + conv_s, nbytes / rates.acc_mem))
             _host(d, rates, nbytes)
         else:
             _add(d, f"acc{i}", flops_s + conv_s)
@@ -270,8 +274,12 @@ def price_op(
         d: dict[str, float] = {}
         _host(d, rates, op.bytes)
         for n in range(rates.nodes):
-            _add(d, f"xbw{n}", op.bytes / rates.nodes / rate)
-            _add(d, f"cpu{n}", op.flops / rates.nodes / flops_rate)
+            read_s = op.bytes / rates.nodes / rate
+            _add(d, f"xbw{n}", read_s)
+            # the kernel's threads are every core of the node, busy while they stream the
+            # experts as while they compute: it holds the cores for the longer of the two, so
+            # a concurrent host user (a stand-in's XLA pool, a second engine) slows its reads
+            _add(d, f"cpu{n}", max(op.flops / rates.nodes / flops_rate, read_s))
         return (Phase(k, d, o["cpu_op_s"]),)
     if k == "stage":
         return (_copy(rates, op.bytes, devices[0], o["stage_s"]),)
