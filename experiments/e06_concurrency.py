@@ -40,7 +40,7 @@ written once as a weight arena under the cache (both P/D workers map it).
     python -m experiments.e06_concurrency [--quick]
     python -m experiments.e06_concurrency --resim results/e06_concurrency_<stamp>.json
       (parts 4-5 again on that record's measured rows, with today's simulator: a new record
-      that names the one it re-simulates)
+      under results/resim/ that names the one it re-simulates)
 """
 
 from __future__ import annotations
@@ -423,6 +423,8 @@ def main(argv: list[str] | None = None) -> dict:
         i = argv.index("--resim")
         path = argv[i + 1]
         args = parse_args("e06_concurrency", __doc__, argv[:i] + argv[i + 2 :])
+        if "--out-dir" not in argv:  # beside the records, not among them: the claims table reads runs
+            args.out_dir = str(Path(args.out_dir) / "resim")
         from experiments.common.simserve import resimulate
 
         config, rows, summary = resimulate(path)
