@@ -168,7 +168,7 @@ def test_tiny_model_scheduler_replayed_within_a_loose_factor():
     try:
         for name, o in opts.items():
             ratios: dict[tuple[int, str], list[float]] = {}
-            for rnd in range(5):  # two rounds compile (the second still hits new shapes), three count
+            for rnd in range(5):  # two warm-up rounds (the first compiles), three count
                 sched = Scheduler(eng, name, **o)
                 hs = [sched.submit(list(range(3, 19)), SamplingParams(max_new_tokens=30, stop_ids=()))]
                 sched.step()
