@@ -484,7 +484,11 @@ def calibrate(quick: bool = False, devices: int = 2) -> dict[str, Any]:
 
 def add_calibrate_parser(sub: Any) -> None:
     p = sub.add_parser("calibrate", help="measure this machine and write its simulator profile (local.toml)")
-    p.add_argument("--out", default=None, help="profile path (default configs/systems/local.toml)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="profile path (default: configs/systems/local.toml of the checkout in the current directory, else the package's)",
+    )
     p.add_argument("--quick", action="store_true", help="fewer repeats")
     p.add_argument("--json", action="store_true", help="print the measurements as one JSON line")
     p.set_defaults(func=cmd_calibrate)
@@ -499,7 +503,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     except Exception:
         pass
     m = calibrate(quick=args.quick, devices=1)
-    out = Path(args.out) if args.out else profiles_dir() / "local.toml"
+    # inside a source checkout, its configs/ (what its experiments read, also when the
+    # package is a plain `pip install .` whose own configs are a copy in site-packages)
+    from hmoe_jax.cli_reproduce import find_root
+
+    here = find_root() / "configs" / "systems"
+    out = Path(args.out) if args.out else (here if here.is_dir() else profiles_dir()) / "local.toml"
     write_profile(out, m)
     load_profile(str(out))  # what was written must load
     print(f"[calibrate] wrote {out} in {m['calibrate_s']:.0f} s", flush=True)

@@ -103,3 +103,31 @@ def test_reproduce_finds_the_checkout_it_runs_in(tmp_path, monkeypatch, capsys):
     args = cli_reproduce.argparse.Namespace(only=None, table_only=False, out_dir=None, quick=True)
     assert cli_reproduce.cmd_reproduce(args) == 2
     assert "run it from the root of a source checkout" in capsys.readouterr().err
+
+
+def test_calibrate_writes_the_profile_of_the_checkout_it_runs_in(tmp_path, monkeypatch):
+    """Run inside a source checkout, `hmoe calibrate` writes that checkout's
+    configs/systems/local.toml (what its experiments read), even when the package itself is a
+    plain install with its own copy of configs; elsewhere, the package's."""
+    import argparse
+
+    from hmoe_jax import cli_calibrate
+
+    written: list = []
+    monkeypatch.setattr(cli_calibrate, "calibrate", lambda **_: {"calibrate_s": 0.0})
+    monkeypatch.setattr(cli_calibrate, "write_profile", lambda path, m: written.append(path))
+    monkeypatch.setattr("hmoe_jax.sim.profile.load_profile", lambda p: None)
+    (tmp_path / "experiments").mkdir()
+    (tmp_path / "experiments" / "e99_x.py").write_text("")
+    (tmp_path / "configs" / "systems").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    args = argparse.Namespace(out=None, quick=True, json=False)
+    assert cli_calibrate.cmd_calibrate(args) == 0
+    assert written == [tmp_path / "configs" / "systems" / "local.toml"]
+    elsewhere = tmp_path / "not_a_checkout"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert cli_calibrate.cmd_calibrate(args) == 0
+    from hmoe_jax.sim.profile import profiles_dir
+
+    assert written[1] == profiles_dir() / "local.toml"
