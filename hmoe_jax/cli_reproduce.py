@@ -198,6 +198,21 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
             rc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL).returncode
             if rc:
                 print(f"[reproduce] figure {fig.name}: rc {rc}", flush=True)
+    # the figures that are not one record's: e20's SLP timeline (the Chrome trace it writes
+    # beside the records) and the shipped model's training run
+    extra = {
+        "slp_trace": ROOT / "results" / "slp_trace.json",
+        "train_loss": ROOT / "hmoe_jax" / "assets" / "deepseek_v3_stdlib" / "train_record.json",
+    }
+    for stem, src in extra.items():
+        fig = ROOT / "paper_figs" / f"fig_{stem}.py"
+        if fig.exists() and src.exists():
+            out = (ROOT / "paper_figs" if results == ROOT / "results" else results) / f"{stem}.png"
+            rc = subprocess.run(
+                [sys.executable, str(fig), str(src), "--out", str(out)], cwd=ROOT, stdout=subprocess.DEVNULL
+            ).returncode
+            if rc:
+                print(f"[reproduce] figure {fig.name}: rc {rc}", flush=True)
     table = markdown(table_rows(results))
     path = write_readme(table) if results == ROOT / "results" else None
     print(table)
