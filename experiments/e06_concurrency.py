@@ -45,7 +45,6 @@ written once as a weight arena under the cache (both P/D workers map it).
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -428,14 +427,14 @@ def main(argv: list[str] | None = None) -> dict:
         from experiments.common.simserve import resimulate
 
         config, rows, summary = resimulate(path)
-        args.quick = json.loads(Path(path).read_text())["config"]["quick"]
+        args.quick = config.pop("quick")
         return emit_record(args, claim=CLAIM, paper_value=PAPER, config=config, rows=rows, summary=summary)
     args = parse_args("e06_concurrency", __doc__, argv)
     from hmoe_jax.runtime.placement import configure_stand_ins
 
     configure_stand_ins(2)
     from experiments.common.simserve import project, validate_mixes
-    from experiments.common.simval import Probe, local_profile
+    from experiments.common.simval import Probe
     from hmoe_jax.engine.engine import Engine
     from hmoe_jax.plan.system import SystemSpec
     from hmoe_jax.serve.pd import PDCoordinator
@@ -496,11 +495,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 4: the measured mixes replayed on the simulator (this machine's profile, 2 stand-ins,
     # each mix row's read probe); 5: the projection on the paper's machine
-    def prof_of(row):
-        return local_profile(read_gbps=row["probe_gbps"]).with_accelerators(2)
-
     t0 = time.perf_counter()
-    val_rows, val_summary = validate_mixes(cfg, rows, prof_of, long_len, max_len)
+    val_rows, val_summary = validate_mixes(cfg, rows, 2, long_len, max_len)
     proj_rows, proj_summary, proj_inputs = project(quick)
     print(
         f"[sim] validation: p90 error TTFT {val_summary.get('sim_error_ttft_p90', float('nan')):.1f}%, TPOT "

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -106,16 +107,20 @@ def _p90(v: list[float]) -> float:
     return float(np.percentile(v, 90))
 
 
-def validate_mixes(cfg, rows: list[dict], prof_of, long_len: int, max_len: int) -> tuple[list[dict], dict]:
+def validate_mixes(
+    cfg, rows: list[dict], accelerators: int, long_len: int, max_len: int
+) -> tuple[list[dict], dict]:
     """(one row per backend x mix x alone/mix: measured and simulated mean and p90 of each
-    metric, the per-request errors; summary errors over those groups). prof_of(row): the
-    profile to replay a mix row on."""
+    metric, the per-request errors; summary errors over those groups). Each mix row replays on
+    this machine's profile with `accelerators` stand-ins and the read rate of its probes."""
+    from experiments.common.simval import local_profile
+
     out, pairs_all = [], {m: [] for m in METRICS}
     p90_errs = {m: [] for m in METRICS}
     mean_errs = {m: [] for m in METRICS}
     excluded = []
     for row in (r for r in rows if r.get("part") == "mix"):
-        prof = prof_of(row)
+        prof = local_profile(read_gbps=row["probe_gbps"]).with_accelerators(accelerators)
         for kind in ("alone", "mix"):
             logs = [lg for rnd in row[f"replay_{kind}"] for lg in (rnd if kind == "alone" else [rnd])]
             meas = {m: [] for m in METRICS}
@@ -177,11 +182,11 @@ SIM_PARTS = ("sim_validation", "projection_batch", "projection_mix")
 def resimulate(record_path: str) -> tuple[dict, list[dict], dict]:
     """Parts 4 and 5 of an e06 record redone with today's simulator on the record's own
     measured rows (replay logs, probes): (config, rows, summary) for a new record that says
-    which measured record it re-simulates. Measured numbers are copied, never re-derived."""
-    from experiments.common.simval import local_profile
+    which measured record it re-simulates (its "quick" says the record's size). Measured
+    numbers are copied, never re-derived."""
     from experiments.e22_batched_decode import bench_twin_config
 
-    rec = json.loads(open(record_path).read())
+    rec = json.loads(Path(record_path).read_text())
     cfg_rec = rec["config"]
     if cfg_rec["quick"]:
         from hmoe_jax.config import load_config
@@ -192,18 +197,14 @@ def resimulate(record_path: str) -> tuple[dict, list[dict], dict]:
         cfg = bench_twin_config()
     long_len, max_len = cfg_rec["long_prompt_tokens"], cfg_rec["max_len"]
     measured = [r for r in rec["rows"] if r.get("part") not in SIM_PARTS]
-
-    def prof_of(row):
-        return local_profile(read_gbps=row["probe_gbps"]).with_accelerators(cfg_rec["stand_in_accelerators"])
-
-    val_rows, val_summary = validate_mixes(cfg, measured, prof_of, long_len, max_len)
+    val_rows, val_summary = validate_mixes(cfg, measured, cfg_rec["stand_in_accelerators"], long_len, max_len)
     proj_rows, proj_summary, proj_inputs = project(cfg_rec["quick"])
     sim_keys = {k for k in rec["summary"] if k.startswith(("sim_", "projected_"))}
     summary = {k: v for k, v in rec["summary"].items() if k not in sim_keys}
     summary.update(val_summary, **proj_summary)
-    name = record_path.rsplit("/", 1)[-1].removesuffix(".json")
+    name = Path(record_path).stem
     config = {
-        **{k: v for k, v in cfg_rec.items() if k not in ("quick", "threads", "projection")},
+        **{k: v for k, v in cfg_rec.items() if k not in ("threads", "projection")},
         "projection": proj_inputs,
         "resimulated_from": name,
         "resimulated_note": (

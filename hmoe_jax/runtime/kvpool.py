@@ -62,15 +62,15 @@ class KVPool:
         if rows < 1:
             raise PoolExhausted(f"KV pool: rows={rows} must be >= 1 (budget too small for one row?)")
         s = cache_len(max_len)
-        # Committed to `device` (device_put, not default_device): the plan's jitted pieces
-        # return committed caches, and an uncommitted first cache made every piece that takes
-        # it compile a second time on the second prefill (~0.8 s per piece on the bench twin).
+        # Made on `device` (committed; not under default_device, which leaves them
+        # uncommitted): the plan's jitted pieces return committed caches, and an uncommitted
+        # first cache made every piece that takes it compile a second time on the second
+        # prefill (~0.8 s per piece on the bench twin).
         lat = [
-            jax.device_put(jnp.zeros((rows, s, cfg.kv_lora_rank), dtype), device)
-            for _ in range(cfg.num_hidden_layers)
+            jnp.zeros((rows, s, cfg.kv_lora_rank), dtype, device=device) for _ in range(cfg.num_hidden_layers)
         ]
         rope = [
-            jax.device_put(jnp.zeros((rows, s, cfg.qk_rope_head_dim), dtype), device)
+            jnp.zeros((rows, s, cfg.qk_rope_head_dim), dtype, device=device)
             for _ in range(cfg.num_hidden_layers)
         ]
         return KVPool(cfg, lat, rope, list(range(rows)))

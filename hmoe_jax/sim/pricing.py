@@ -125,15 +125,22 @@ class Rates:
         """The expert kernel's flops/s per node at `rows_per_expert`: expert_flops, or with
         a measured small-M point, time per flop linear in 1 / rows between the two points
         (a fixed per-expert cost shared by its rows), held outside them."""
-        if self.expert_small is None:
+        if self.expert_small is None or self.expert_small[2] <= self.expert_small[0]:
             return self.expert_flops
         r_s, eff_s, r_l = self.expert_small
         r = min(max(rows_per_expert, r_s), r_l)
-        if r_l <= r_s:
-            return self.expert_flops
         x = (1.0 / r - 1.0 / r_l) / (1.0 / r_s - 1.0 / r_l)  # 0 at the large point, 1 at the small
         inv = (1 - x) / self.expert_eff + x / eff_s
         return self.peak / inv
+
+    def expert_read_at(self, rows_per_expert: float) -> float:
+        """The FP8 expert kernel's read bytes/s per node at `rows_per_expert`: 1 / efficiency
+        linear in rows between 1 (expert_bw_efficiency) and the measured batched point, held
+        beyond it."""
+        if self.expert_rpe_b <= 1:
+            return self.expert_dram["fp8"]
+        x = (min(rows_per_expert, self.expert_rpe_b) - 1.0) / (self.expert_rpe_b - 1.0)
+        return self.dram / ((1 - x) / self.expert_eff1 + x / self.expert_eff_b)
 
 
 def _add(d: dict[str, float], r: str, s: float) -> None:
@@ -266,11 +273,7 @@ def price_op(
             experts = op.bytes / costs.expert_bytes(cfg)  # expected distinct experts (sim/reads.py)
             rows_per_expert = max(rows * cfg.num_experts_per_tok / experts, 1.0)
             flops_rate = rates.expert_flops_at(rows_per_expert)
-            if rates.expert_rpe_b > 1:
-                rpe = min(rows_per_expert, rates.expert_rpe_b)
-                x = (rpe - 1.0) / (rates.expert_rpe_b - 1.0)
-                inv = (1 - x) / rates.expert_eff1 + x / rates.expert_eff_b
-                rate = rates.dram / inv
+            rate = rates.expert_read_at(rows_per_expert)
         d: dict[str, float] = {}
         _host(d, rates, op.bytes)
         for n in range(rates.nodes):
