@@ -34,8 +34,7 @@ PAPER_MACHINE = "paper_epyc9355_rtx5090"
 
 
 def measured_here(quick: bool) -> list[dict[str, Any]]:
-    from experiments.common.simval import Probe, bench_engine, local_profile, measure_decode
-    from hmoe_jax.sim.run import simulate_decode_step
+    from experiments.common.simval import Probe, bench_engine, measure_decode
 
     batches = [1, 4] if quick else [1, 2, 4]
     steps = 4 if quick else 8
@@ -45,34 +44,35 @@ def measured_here(quick: bool) -> list[dict[str, Any]]:
     rows = measure_decode(eng, batches, steps, prompt_len=16, probe=probe)
     eng.close()
     for r in rows:
-        sim = simulate_decode_step(
-            cfg,
-            local_profile(r["probe_gbps"]),
-            r["context"],
-            batch=r["batch"],
-            max_len=128,
-        )
-        r.update(
-            part="measured_here",
-            model="deepseek_v3 bench twin",
-            routed_experts=cfg.n_routed_experts,
-            sim_step_s=sim["step_s"],
-            sim_bound=sim["bound"],
-            sim_binding_share=sim["binding_share"],
-            measured_tok_per_s=r["batch"] / r["measured_step_s"],
-            sim_tok_per_s=r["batch"] / sim["step_s"],
-            err_pct=100.0 * (sim["step_s"] - r["measured_step_s"]) / r["measured_step_s"],
-            err_pct_vs_async=100.0
-            * (sim["step_s"] - r["measured_step_s_async"])
-            / r["measured_step_s_async"],
-        )
+        r.update(part="measured_here", model="deepseek_v3 bench twin", routed_experts=cfg.n_routed_experts)
+        r.update(sim_here(cfg, r))
         print(
             f"[here B={r['batch']}] measured {r['measured_step_s'] * 1e3:.1f} ms serial / "
-            f"{r['measured_step_s_async'] * 1e3:.1f} ms async, simulated {sim['step_s'] * 1e3:.1f} ms "
-            f"({r['err_pct']:+.1f}% / {r['err_pct_vs_async']:+.1f}%), probe {r['probe_gbps']:.1f} GB/s, bound {sim['bound']}",
+            f"{r['measured_step_s_async'] * 1e3:.1f} ms async, simulated {r['sim_step_s'] * 1e3:.1f} ms "
+            f"({r['err_pct']:+.1f}% / {r['err_pct_vs_async']:+.1f}%), probe {r['probe_gbps']:.1f} GB/s, bound {r['sim_bound']}",
             flush=True,
         )
     return rows
+
+
+def sim_here(cfg, r: dict[str, Any]) -> dict[str, Any]:
+    """The simulated side of one measured row (its probe re-bases local.toml): also what
+    `python -m experiments.common.resim_check` recomputes from a committed record."""
+    from experiments.common.simval import local_profile
+    from hmoe_jax.sim.run import simulate_decode_step
+
+    sim = simulate_decode_step(
+        cfg, local_profile(r["probe_gbps"]), r["context"], batch=r["batch"], max_len=128
+    )
+    return {
+        "sim_step_s": sim["step_s"],
+        "sim_bound": sim["bound"],
+        "sim_binding_share": sim["binding_share"],
+        "measured_tok_per_s": r["batch"] / r["measured_step_s"],
+        "sim_tok_per_s": r["batch"] / sim["step_s"],
+        "err_pct": 100.0 * (sim["step_s"] - r["measured_step_s"]) / r["measured_step_s"],
+        "err_pct_vs_async": 100.0 * (sim["step_s"] - r["measured_step_s_async"]) / r["measured_step_s_async"],
+    }
 
 
 def projection(quick: bool) -> list[dict[str, Any]]:
@@ -98,44 +98,22 @@ def projection(quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args("e03_decode", __doc__, argv)
+def summarise(here: list[dict[str, Any]], proj: list[dict[str, Any]], prof) -> dict[str, Any]:
+    """The record's summary from its rows (also what experiments.common.resim_check
+    recomputes from a committed record)."""
     from experiments.common.simval import errors
-    from hmoe_jax.config import named_model_config
-    from hmoe_jax.plan import costs
-    from hmoe_jax.sim.profile import load_profile
 
-    cfg = named_model_config("deepseek_v3")
-    prof = load_profile(PAPER_MACHINE)
-    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
-    expert_gb = moe_layers * cfg.num_experts_per_tok * costs.expert_bytes(cfg) / 1e9
-    dram = prof["cpu.dram_gbps_per_node"] * prof.numa_nodes
-    print_ceiling(
-        "paper machine batch-1 FP8 decode (CPU experts only)",
-        expert_gb_per_token=expert_gb,
-        dram_peak_gbps=dram,
-        tok_per_s_at_peak=dram / expert_gb,
-    )
-    here = measured_here(args.quick)
-    proj = projection(args.quick)
-
-    def pick(model: str, fmt: str, ctx: int, b: int) -> dict | None:
+    def pick(model: str, fmt: str, ctx: int, b: int) -> dict:
         return next(
-            (
-                r
-                for r in proj
-                if r["model"] == model
-                and r["expert_format"] == fmt
-                and r["context"] == ctx
-                and r["batch"] == b
-            ),
-            None,
+            r
+            for r in proj
+            if r["model"] == model and r["expert_format"] == fmt and r["context"] == ctx and r["batch"] == b
         )
 
     b1 = pick("deepseek_v3", "fp8", 1024, 1)
     err = errors([(r["sim_step_s"], r["measured_step_s"]) for r in here])
     err_async = errors([(r["sim_step_s"], r["measured_step_s_async"]) for r in here])
-    summary = {
+    return {
         "decode_fp8_tok_per_s": b1["decode_tok_per_s"],
         "decode_int4_tok_per_s": pick("deepseek_v3", "int4", 1024, 1)["decode_tok_per_s"],
         "decode_fp8_tok_per_s_32k": pick("deepseek_v3", "fp8", 32768, 1)["decode_tok_per_s"],
@@ -156,6 +134,29 @@ def main(argv: list[str] | None = None) -> dict:
         ),
         "assumed_inputs": sorted(prof.assumptions()),
     }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args("e03_decode", __doc__, argv)
+    from hmoe_jax.config import named_model_config
+    from hmoe_jax.plan import costs
+    from hmoe_jax.sim.profile import load_profile
+
+    cfg = named_model_config("deepseek_v3")
+    prof = load_profile(PAPER_MACHINE)
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    expert_gb = moe_layers * cfg.num_experts_per_tok * costs.expert_bytes(cfg) / 1e9
+    dram = prof["cpu.dram_gbps_per_node"] * prof.numa_nodes
+    print_ceiling(
+        "paper machine batch-1 FP8 decode (CPU experts only)",
+        expert_gb_per_token=expert_gb,
+        dram_peak_gbps=dram,
+        tok_per_s_at_peak=dram / expert_gb,
+    )
+    here = measured_here(args.quick)
+    proj = projection(args.quick)
+
+    summary = summarise(here, proj, prof)
     return emit_record(
         args,
         claim="FP8 DeepSeek-V3 decode 21.5 tok/s, INT4 28 tok/s per request on the paper's machine (projected by the simulator, validated here on the bench twin)",

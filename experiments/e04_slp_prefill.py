@@ -33,18 +33,18 @@ from experiments.common.record import emit_record, parse_args, print_ceiling
 PAPER = {"slp_tok_per_s": 1200, "slp_max_prompt_30s_at_least": 32768, "no_gain_at_or_below_tokens": 4096}
 PAPER_MACHINE = "paper_epyc9355_rtx5090"
 TTFT_BUDGET_S = 30.0
+HERE_MAX_LEN = 256  # the engine's cache rows in the measured part (prompts up to 256 tokens)
 
 
 def measured_here(quick: bool) -> list[dict[str, Any]]:
-    from experiments.common.simval import Probe, bench_params, local_profile, make_engine, measure_prefill
-    from hmoe_jax.sim.run import simulate_request
+    from experiments.common.simval import Probe, bench_params, make_engine, measure_prefill
 
     lengths = [32, 128] if quick else [64, 256]
     # an slp prefill of the twin costs ~15 s here (XLA's FP8 dequant); a cpu one 2-7 s: three
     # reps for its median on this noisy VM
     reps = {"cpu": 1 if quick else 3, "slp": 1 if quick else 2}
     cfg, params = bench_params(quick)
-    max_len = 256
+    max_len = HERE_MAX_LEN
     probe = Probe()
     probe.gbps()
     rows = []
@@ -54,30 +54,63 @@ def measured_here(quick: bool) -> list[dict[str, Any]]:
         eng = make_engine(cfg, params, max_len=max_len, max_batch=1, link_gbps=link)
         for sched in scheds:
             for r in measure_prefill(eng, sched, lens, reps[sched], probe):
-                prof = local_profile(r["probe_gbps"], link_gbps=link)
-                sim = simulate_request(cfg, prof, sched, r["prompt_len"], max_len=max_len)
                 r.update(
                     part="measured_here",
                     model="deepseek_v3 bench twin",
                     routed_experts=cfg.n_routed_experts,
                     link_gbps=link,
-                    sim_prefill_s=sim["ttft_s"],
-                    sim_bound=sim["binding"]["prefill"],
-                    sim_binding_share=sim["prefill"]["binding_share"],
-                    sim_op_s_by_kind={k: round(v["op_s"], 4) for k, v in sim["prefill"]["by_kind"].items()},
-                    measured_tok_per_s=r["prompt_len"] / r["measured_prefill_s"],
-                    sim_tok_per_s=sim["prefill_tok_per_s"],
-                    err_pct=100.0 * (sim["ttft_s"] - r["measured_prefill_s"]) / r["measured_prefill_s"],
                 )
+                r.update(sim_here(cfg, r, max_len))
                 rows.append(r)
                 print(
                     f"[here {sched} T={r['prompt_len']} link={link}] measured {r['measured_prefill_s']:.2f} s, "
-                    f"simulated {sim['ttft_s']:.2f} s ({r['err_pct']:+.1f}%), probe {r['probe_gbps']:.1f} GB/s, "
-                    f"bound {sim['binding']['prefill']}",
+                    f"simulated {r['sim_prefill_s']:.2f} s ({r['err_pct']:+.1f}%), probe {r['probe_gbps']:.1f} GB/s, "
+                    f"bound {r['sim_bound']}",
                     flush=True,
                 )
         eng.close()
     return rows
+
+
+def sim_here(cfg, r: dict[str, Any], max_len: int) -> dict[str, Any]:
+    """The simulated side of one measured row (its probe re-bases local.toml, its link cap
+    applied): also what experiments.common.resim_check recomputes from a committed record."""
+    from experiments.common.simval import local_profile
+    from hmoe_jax.sim.run import simulate_request
+
+    prof = local_profile(r["probe_gbps"], link_gbps=r["link_gbps"])
+    sim = simulate_request(cfg, prof, r["schedule"], r["prompt_len"], max_len=max_len)
+    return {
+        "sim_prefill_s": sim["ttft_s"],
+        "sim_bound": sim["binding"]["prefill"],
+        "sim_binding_share": sim["prefill"]["binding_share"],
+        "sim_op_s_by_kind": {k: round(v["op_s"], 4) for k, v in sim["prefill"]["by_kind"].items()},
+        "measured_tok_per_s": r["prompt_len"] / r["measured_prefill_s"],
+        "sim_tok_per_s": sim["prefill_tok_per_s"],
+        "err_pct": 100.0 * (sim["ttft_s"] - r["measured_prefill_s"]) / r["measured_prefill_s"],
+    }
+
+
+def summarise(here: list[dict[str, Any]], extra: dict[str, Any], prof) -> dict[str, Any]:
+    """The record's summary from its measured rows and the projection's keys (also
+    recomputed by experiments.common.resim_check)."""
+    from experiments.common.simval import errors
+
+    err = errors([(r["sim_prefill_s"], r["measured_prefill_s"]) for r in here])
+    return {
+        **extra,
+        "slp_over_paper_20k": extra["slp_tok_per_s_20k"] / PAPER["slp_tok_per_s"],
+        "sim_error_prefill": err["mean_abs_pct"],
+        "sim_error_prefill_signed": err["mean_signed_pct"],
+        "sim_error_prefill_max": err["max_abs_pct"],
+        "sim_error_prefill_by_schedule": {
+            s: errors([(r["sim_prefill_s"], r["measured_prefill_s"]) for r in here if r["schedule"] == s])[
+                "mean_abs_pct"
+            ]
+            for s in ("cpu", "slp")
+        },
+        "assumed_inputs": sorted(prof.assumptions()),
+    }
 
 
 def _ttft(cfg, prof, sched: str, n: int) -> dict[str, Any]:
@@ -168,7 +201,6 @@ def projection(quick: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args("e04_slp_prefill", __doc__, argv)
-    from experiments.common.simval import errors
     from hmoe_jax.config import named_model_config
     from hmoe_jax.plan import costs
     from hmoe_jax.sim.profile import load_profile
@@ -185,21 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     here = measured_here(args.quick)
     proj, extra = projection(args.quick)
-    err = errors([(r["sim_prefill_s"], r["measured_prefill_s"]) for r in here])
-    summary = {
-        **extra,
-        "slp_over_paper_20k": extra["slp_tok_per_s_20k"] / PAPER["slp_tok_per_s"],
-        "sim_error_prefill": err["mean_abs_pct"],
-        "sim_error_prefill_signed": err["mean_signed_pct"],
-        "sim_error_prefill_max": err["max_abs_pct"],
-        "sim_error_prefill_by_schedule": {
-            s: errors([(r["sim_prefill_s"], r["measured_prefill_s"]) for r in here if r["schedule"] == s])[
-                "mean_abs_pct"
-            ]
-            for s in ("cpu", "slp")
-        },
-        "assumed_inputs": sorted(prof.assumptions()),
-    }
+    summary = summarise(here, extra, prof)
     return emit_record(
         args,
         claim="SLP ~1,200 tok/s on one RTX 5090, 32K prompt within 30 s TTFT, no gain at or below 4K (projected by the simulator, validated here on the bench twin)",
