@@ -142,3 +142,20 @@ def test_upcast_and_pytree_are_the_arena_s(ckpt, arenas):
     _, up = load_checkpoint(ckpt, progress=False, upcast_f32=True)
     assert jax.tree_util.tree_structure(p) == jax.tree_util.tree_structure(up)
     assert up.embed.dtype == np.float32 and np.array_equal(up.embed, np.asarray(p.embed, np.float32))
+
+
+def test_a_dead_converter_s_temp_dir_is_swept(ckpt, arenas):
+    import subprocess
+    import sys
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    pid = int(dead.stdout)  # exited: its pid is free (reuse within this test is unlikely)
+    load_checkpoint(ckpt, progress=False)
+    d = _only_arena(arenas)
+    shutil.rmtree(d)
+    left = arenas / f".tmp-{d.name}-{pid}"
+    (left / "partial").mkdir(parents=True)
+    load_checkpoint(ckpt, progress=False)
+    assert not left.exists() and _only_arena(arenas) == d

@@ -478,6 +478,7 @@ def ensure_arena(
     src = Path(checkpoint_dir).resolve()
     if not src.is_dir():
         raise CheckpointError(f"{src}: checkpoint directory not found")
+    load_config(src / CONFIG_NAME)  # a bad config.json is named before the weight files
     root = Path(cache_root) if cache_root is not None else cache.arena_cache_dir()
     final = root / f"{src.name}-{cache_key(src)}"
     if final.exists():
@@ -487,6 +488,8 @@ def ensure_arena(
         print(f"note: cached arena {final} is unusable ({why}); converting again", file=sys.stderr)
         cache.discard(final)
     plan = _plan(src, None)
+    if root.is_dir():
+        cache.sweep_temps(final)
     if progress:
         print(
             f"converting {src} once into the weight arena {final} ({plan.data_bytes / 1e9:.2f} GB; "

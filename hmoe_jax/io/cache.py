@@ -94,6 +94,21 @@ def temp_dir_for(final: Path) -> Path:
     return tmp
 
 
+def sweep_temps(final: Path) -> None:
+    """Remove temp directories of `final` left by converters that died (their pid is gone),
+    so a killed first run does not leave a model-sized directory behind forever."""
+    for tmp in final.parent.glob(f".tmp-{final.name}-*"):
+        pid = tmp.name.rsplit("-", 1)[-1]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(tmp, ignore_errors=True)
+        except PermissionError:
+            pass  # alive, another user's
+
+
 def install(tmp: Path, final: Path) -> bool:
     """Rename a finished temp directory into place. False (and `tmp` removed) when another
     process installed the same entry first; it is the same content (same key)."""
