@@ -193,7 +193,6 @@ def write_arena(
 class _Plan:
     """An arena before it is written: its config, leaves and where they come from."""
 
-    cfg: ModelConfig
     raw: dict[str, Any]  # the config dict stored in the index
     leaves: list[tuple[str, _Src]]  # (keystr in ModelParams, source)
     src_dir: Path | None  # the checkpoint directory, None for in-memory params
@@ -208,11 +207,11 @@ def _plan(source: Any, cfg: ModelConfig | None) -> _Plan:
     if isinstance(source, ModelParams):
         if cfg is None:
             raise ArenaError("write_arena(params, ...) needs cfg=")
-        cfg, raw, tree = _plan_params(cfg, source)
-        return _Plan(cfg, raw, _leaves(tree, _Src), None)
+        _, raw, tree = _plan_params(cfg, source)
+        return _Plan(raw, _leaves(tree, _Src), None)
     src_dir = Path(source).resolve()
-    cfg, raw, tree = _plan_checkpoint(src_dir)
-    return _Plan(cfg, raw, _leaves(tree, _Src), src_dir)
+    _, raw, tree = _plan_checkpoint(src_dir)
+    return _Plan(raw, _leaves(tree, _Src), src_dir)
 
 
 def _write_tmp(plan: _Plan, out_dir: Path, progress: bool, hint: str = "") -> Path:
