@@ -18,10 +18,14 @@ import jax
 import numpy as np
 import pytest
 
-from hmoe_jax.config import named_model_config
+from hmoe_jax.config import load_config, named_model_config
 from hmoe_jax.io import arena as ar
+from hmoe_jax.io.cache import ARENA_DIR_ENV
+from hmoe_jax.io.format import FP8_TAG, SCALE_SUFFIX, open_catalog, validate
 from hmoe_jax.io.loader import load_checkpoint
+from hmoe_jax.io.names import build_params
 from hmoe_jax.io.synthetic import ensure_default_checkpoint, synthetic_params
+from hmoe_jax.quant.fp8 import Fp8Tensor
 from hmoe_jax.runtime.placement import host_params, is_aligned
 
 
@@ -35,7 +39,29 @@ def ckpt(tmp_path_factory):
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("HMOE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(ARENA_DIR_ENV, raising=False)  # conftest points it at a session dir
     return tmp_path / "cache"
+
+
+def _stacked_reference(ckpt):
+    """ModelParams built straight from the safetensors views with np.stack for the experts
+    (the in-RAM layout the arena replaces): an oracle independent of the arena code."""
+    cfg = load_config(ckpt / "config.json")
+    cat = open_catalog(ckpt)
+    validate(cfg, cat)
+
+    def get(name):
+        if cat.info(name).dtype == FP8_TAG:
+            q = cfg.quant
+            return Fp8Tensor(
+                w=cat.view(name),
+                scale_inv=cat.view(name + SCALE_SUFFIX),
+                block_n=q.block_n,
+                block_k=q.block_k,
+            )
+        return cat.view(name)
+
+    return cfg, build_params(cfg, get)
 
 
 def _map_of(a: np.ndarray) -> tuple[np.ndarray, object]:
@@ -48,7 +74,7 @@ def _map_of(a: np.ndarray) -> tuple[np.ndarray, object]:
 def test_round_trip_is_bit_exact_and_zero_copy(ckpt, cache):
     path = ar.ensure_arena(ckpt, progress=False)
     cfg, params = ar.load_arena(path, verify=True, progress=False)
-    ref_cfg, ref = load_checkpoint(ckpt, progress=False, arena=False)
+    ref_cfg, ref = _stacked_reference(ckpt)
     assert cfg == ref_cfg
     leaves, tree = jax.tree_util.tree_flatten(params)
     ref_leaves, ref_tree = jax.tree_util.tree_flatten(ref)
@@ -99,12 +125,15 @@ def test_loader_and_cli_entry_points(ckpt, tmp_path, cache):
     def mapped_bytes(params):  # size of the file the first leaf (the embedding) is a view of
         return _map_of(jax.tree_util.tree_leaves(params)[0])[0].nbytes
 
-    _, ref = load_checkpoint(ckpt, progress=False)  # the default is unchanged: safetensors maps
-    assert mapped_bytes(ref) == (ckpt / "model.safetensors").stat().st_size
-    cfg, p = load_checkpoint(ckpt, progress=False, arena=True)
+    # The default for a safetensors directory: converted into the cached arena, mapped from it.
+    cfg, p = load_checkpoint(ckpt, progress=False)
     path = ar.ensure_arena(ckpt, progress=False)
     assert path.parent == cache / "arenas"
     assert mapped_bytes(p) == (path / ar.DATA_NAME).stat().st_size
+    alt = tmp_path / "alt"
+    _, p2 = load_checkpoint(ckpt, progress=False, arena_dir=alt)  # the API's own override
+    assert [d.parent for d in alt.iterdir() if ar.is_arena(d)] == [alt]
+    assert mapped_bytes(p2) == mapped_bytes(p)
     out = tmp_path / "cli_arena"
     assert (
         main(["convert", "--checkpoint", str(ckpt), "--out", str(out), "--format", "arena", "--quiet"]) == 0

@@ -12,7 +12,7 @@ import pytest
 
 from hmoe_jax.config import named_model_config
 from hmoe_jax.io.errors import CheckpointError
-from hmoe_jax.io.loader import Catalog, validate
+from hmoe_jax.io.format import Catalog, validate
 from hmoe_jax.io.names import expected_tensors
 from hmoe_jax.io.safetensors_io import SafetensorsFile, TensorInfo
 from hmoe_jax.io.synthetic import cache_root, ensure_default_checkpoint

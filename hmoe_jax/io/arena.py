@@ -1,22 +1,25 @@
-"""The shared host weight arena: ModelParams as ONE page-aligned data file plus a JSON index,
-mapped read-only and MAP_SHARED, so every OS process that loads it maps the same page-cache
-pages (one host copy for a prefill process and a decode process). docs/checkpoints.md has
-the format; in short:
+"""The host weight arena: ModelParams as ONE page-aligned data file plus a JSON index,
+mapped read-only and MAP_SHARED. It is how every checkpoint is served (load_checkpoint
+converts a safetensors directory into one on first use): the routed experts, stacked
+[E, ...] as the kernels take them, and every other leaf are views of the file's pages, so
+the host holds the weights once (never a stacked copy beside the source), and every OS
+process that loads it maps the same page-cache pages (one host copy for a prefill process
+and a decode process). docs/checkpoints.md has the format; in short:
   weights.bin  every leaf at a 4096-byte aligned offset, routed experts stacked [E, ...],
-               FP8 as e4m3 bytes + f32 scale_inv, others in the dtype the loader gives;
+               FP8 as e4m3 bytes + f32 scale_inv, others in their stored dtype;
   arena.json   format, version, config dict, per leaf {path (keystr in ModelParams), name,
                dtype, shape, offset, nbytes, crc32}; stacked experts drop the expert index
                in `name` (model.layers.3.mlp.experts.gate_proj.weight).
 load_arena's leaves are read-only views into one np.memmap (mode "r" = PROT_READ +
 MAP_SHARED), page aligned and C-contiguous: placement.host_params keeps them and
 jax.device_put on CPU is zero-copy. ensure_arena converts a safetensors checkpoint once,
-leaf by leaf from the loader's memory maps, into a cache keyed by the source files.
+leaf by leaf from its memory maps, into the cache (hmoe_jax.io.cache) keyed by the source
+files.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import mmap
 import os
@@ -33,8 +36,9 @@ import numpy as np
 from tqdm import tqdm
 
 from hmoe_jax.config import ModelConfig, QuantConfig, config_from_dict, load_config
+from hmoe_jax.io import cache
 from hmoe_jax.io.errors import CheckpointError
-from hmoe_jax.io.loader import FP8_TAG, INDEX_NAME, SCALE_SUFFIX, open_catalog, validate
+from hmoe_jax.io.format import CONFIG_NAME, FP8_TAG, SCALE_SUFFIX, open_catalog, unused_note, validate
 from hmoe_jax.io.names import build_params, expected_tensors, flatten_params
 from hmoe_jax.io.safetensors_io import DTYPES, dtype_tag
 from hmoe_jax.model.params import ModelParams
@@ -100,10 +104,12 @@ def _stack(ws: list[Any]) -> Any:
 
 
 def _plan_checkpoint(root: Path) -> tuple[ModelConfig, dict[str, Any], ModelParams]:
-    """ModelParams whose leaves are _Src views, read through the loader's catalog."""
-    cfg = load_config(root / "config.json")
+    """ModelParams whose leaves are _Src views, read through the format's catalog."""
+    cfg = load_config(root / CONFIG_NAME)
     cat = open_catalog(root)
     validate(cfg, cat)
+    if cat.unused:
+        print(unused_note(cfg, cat), file=sys.stderr)
 
     def get(name: str) -> Any:
         w = _src(name, cat.view(name))
@@ -113,7 +119,7 @@ def _plan_checkpoint(root: Path) -> tuple[ModelConfig, dict[str, Any], ModelPara
             return Fp8Tensor(w=w, scale_inv=s, block_n=q.block_n, block_k=q.block_k)
         return w
 
-    raw = json.loads((root / "config.json").read_text())  # exactly what load_config parsed
+    raw = json.loads((root / CONFIG_NAME).read_text())  # exactly what load_config parsed
     return cfg, raw, build_params(cfg, get, stack=_stack)
 
 
@@ -174,7 +180,7 @@ def write_arena(
     out_dir = Path(out_dir)
     if out_dir.exists() and not is_arena(out_dir) and any(out_dir.iterdir()):
         raise ArenaError(f"{out_dir}: exists and is not an arena; refusing to replace it")
-    tmp = _write_tmp(source, out_dir, cfg, progress)
+    tmp = _write_tmp(_plan(source, cfg), out_dir, progress)
     old = out_dir.with_name(f".old-{out_dir.name}-{os.getpid()}")
     if out_dir.exists():
         os.rename(out_dir, old)
@@ -183,31 +189,55 @@ def write_arena(
     return out_dir
 
 
-def _write_tmp(source: Any, out_dir: Path, cfg: ModelConfig | None, progress: bool) -> Path:
-    t0 = time.perf_counter()
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """An arena before it is written: its config, leaves and where they come from."""
+
+    raw: dict[str, Any]  # the config dict stored in the index
+    leaves: list[tuple[str, _Src]]  # (keystr in ModelParams, source)
+    src_dir: Path | None  # the checkpoint directory, None for in-memory params
+
+    @property
+    def data_bytes(self) -> int:
+        """Size of weights.bin: every leaf padded to a page."""
+        return sum(s.nbytes + (-s.nbytes % PAGE_BYTES) for _, s in self.leaves)
+
+
+def _plan(source: Any, cfg: ModelConfig | None) -> _Plan:
     if isinstance(source, ModelParams):
         if cfg is None:
             raise ArenaError("write_arena(params, ...) needs cfg=")
-        (cfg, raw, plan), src_dir = _plan_params(cfg, source), None
-    else:
-        src_dir = Path(source).resolve()
-        cfg, raw, plan = _plan_checkpoint(src_dir)
-    leaves = _leaves(plan, _Src)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.with_name(f".tmp-{out_dir.name}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+        _, raw, tree = _plan_params(cfg, source)
+        return _Plan(raw, _leaves(tree, _Src), None)
+    src_dir = Path(source).resolve()
+    _, raw, tree = _plan_checkpoint(src_dir)
+    return _Plan(raw, _leaves(tree, _Src), src_dir)
+
+
+def _write_tmp(plan: _Plan, out_dir: Path, progress: bool, hint: str = "") -> Path:
+    """Write the arena into a fresh temp directory beside out_dir (after checking that
+    its filesystem has room) and return that directory."""
+    t0 = time.perf_counter()
+    need = plan.data_bytes + 2**20  # + the index (~100 B per leaf) and side files
+    cache.check_free_bytes(out_dir.parent, need, f"write the weight arena {out_dir.name}", hint)
+    tmp = cache.temp_dir_for(out_dir)
+    src_dir = plan.src_dir
     try:
-        index, data_bytes = _write_data(tmp / DATA_NAME, leaves, progress, release=src_dir is not None)
+        index, data_bytes = _write_data(tmp / DATA_NAME, plan.leaves, progress, release=src_dir is not None)
+        meta = {
+            "format": FORMAT,
+            "version": VERSION,
+            "config": plan.raw,
+            "source": str(src_dir) if src_dir else None,
+        }
+        meta |= {"data_bytes": data_bytes, "leaves": index}
+        (tmp / ARENA_INDEX).write_text(json.dumps(meta, indent=1))
+        for name in _SIDE_FILES if src_dir else ():
+            if (src_dir / name).exists():
+                shutil.copy2(src_dir / name, tmp / name)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # never leave a partial (maybe huge) temp dir
         raise
-    meta = {"format": FORMAT, "version": VERSION, "config": raw, "source": str(src_dir) if src_dir else None}
-    meta |= {"data_bytes": data_bytes, "leaves": index}
-    (tmp / ARENA_INDEX).write_text(json.dumps(meta, indent=1))
-    for name in _SIDE_FILES if src_dir else ():
-        if (src_dir / name).exists():
-            shutil.copy2(src_dir / name, tmp / name)
     if progress:
         dt = time.perf_counter() - t0
         print(
@@ -407,38 +437,66 @@ def _assemble(cfg: ModelConfig, root: Path, by_name: dict[str, np.ndarray], upca
 
 
 def cache_key(checkpoint_dir: str | Path) -> str:
-    """Source path, each weight/config file's size and mtime, and the arena version."""
-    root = Path(checkpoint_dir).resolve()
-    files = sorted(
-        p for p in root.iterdir() if p.suffix == ".safetensors" or p.name in ("config.json", INDEX_NAME)
-    )
-    stat = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
-    blob = json.dumps({"source": str(root), "files": stat, "format": FORMAT, "version": VERSION})
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+    """The source's key (hmoe_jax.io.cache.source_key) salted with the arena version."""
+    return cache.source_key(checkpoint_dir, {"format": FORMAT, "version": VERSION})
+
+
+def check_intact(root: Path) -> str | None:
+    """Why an arena directory cannot be served as is (None when it can), from its index and
+    file size alone: an index that does not parse or is of another version, a data file
+    missing, shorter or longer than the index says, a leaf out of bounds. Reads no weight
+    data, so a flipped bit inside a leaf is left to load_arena(verify=True)."""
+    try:
+        meta = _read_index(root)
+    except ArenaError as e:
+        return str(e)
+    data = root / DATA_NAME
+    if not data.is_file():
+        return f"{data}: arena data file not found"
+    size, want = data.stat().st_size, int(meta["data_bytes"])
+    if size != want:
+        return f"{data}: {size} bytes, the index says {want} ({'truncated' if size < want else 'overlong'})"
+    try:
+        end = max((int(e["offset"]) + int(e["nbytes"]) for e in meta["leaves"]), default=0)
+    except (KeyError, TypeError, ValueError) as e:
+        return f"{root / ARENA_INDEX}: malformed leaf entry ({e!r})"
+    if end > want:
+        return f"{root / ARENA_INDEX}: a leaf ends at byte {end}, past the data's {want}"
+    return None
 
 
 def ensure_arena(
     checkpoint_dir: str | Path, cache_root: str | Path | None = None, progress: bool = True
 ) -> Path:
-    """The arena of a safetensors checkpoint, converted once into
-    `cache_root` (default $HMOE_CACHE/arenas) / <name>-<cache_key> and reused afterwards.
-    Older arenas of the same source (a changed file) are removed after a new one is made."""
-    from hmoe_jax.io.synthetic import cache_root as default_cache_root
-
+    """The arena of a safetensors checkpoint, converted once into `cache_root` (default
+    hmoe_jax.io.cache.arena_cache_dir(): $HMOE_ARENA_DIR, else $HMOE_CACHE/arenas) /
+    <name>-<cache_key> and reused afterwards. A cached arena that fails check_intact
+    (truncated, torn index, other version) is discarded and converted again. Free disk
+    is checked before converting. Older arenas of the same source (a changed file) are
+    removed after a new one is made."""
     src = Path(checkpoint_dir).resolve()
     if not src.is_dir():
         raise CheckpointError(f"{src}: checkpoint directory not found")
-    root = Path(cache_root) if cache_root is not None else default_cache_root() / "arenas"
+    load_config(src / CONFIG_NAME)  # a bad config.json is named before the weight files
+    root = Path(cache_root) if cache_root is not None else cache.arena_cache_dir()
     final = root / f"{src.name}-{cache_key(src)}"
-    if is_arena(final):
-        return final
+    if final.exists():
+        why = check_intact(final)
+        if why is None:
+            return final
+        print(f"note: cached arena {final} is unusable ({why}); converting again", file=sys.stderr)
+        cache.discard(final)
+    plan = _plan(src, None)
+    if root.is_dir():
+        cache.sweep_temps(final)
     if progress:
-        print(f"converting {src} once into the shared arena {final}", file=sys.stderr)
-    tmp = _write_tmp(src, final, None, progress)
-    try:
-        os.rename(tmp, final)
-    except OSError:  # another process finished first; its arena is the same (same key)
-        shutil.rmtree(tmp, ignore_errors=True)
+        print(
+            f"converting {src} once into the weight arena {final} ({plan.data_bytes / 1e9:.2f} GB; "
+            f"set ${cache.ARENA_DIR_ENV} to put it elsewhere)",
+            file=sys.stderr,
+        )
+    hint = f"; free space there, or set ${cache.ARENA_DIR_ENV} to a directory on a disk with room"
+    cache.install(_write_tmp(plan, final, progress, hint), final)
     for old in root.iterdir():
         if old != final and old.name.startswith(f"{src.name}-") and is_arena(old):
             try:

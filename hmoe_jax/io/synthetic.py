@@ -18,8 +18,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
-import shutil
 import sys
 import zlib
 from pathlib import Path
@@ -28,6 +26,7 @@ import ml_dtypes
 import numpy as np
 
 from hmoe_jax.config import ModelConfig, QuantConfig, named_model_config
+from hmoe_jax.io.cache import cache_root, install, temp_dir_for
 from hmoe_jax.io.names import build_params, expected_tensors
 from hmoe_jax.io.tokenizer import ByteTokenizer
 from hmoe_jax.io.writer import save_checkpoint
@@ -80,11 +79,6 @@ def synthetic_params(cfg: ModelConfig, seed: int = DEFAULT_SEED) -> ModelParams:
     return build_params(cfg, lambda n: _tensor(cfg, n, specs[n].shape, seed))
 
 
-def cache_root() -> Path:
-    env = os.environ.get("HMOE_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "hmoe-jax"
-
-
 def cache_key(cfg: ModelConfig, seed: int) -> str:
     blob = json.dumps({"cfg": cfg.to_hf_dict(), "seed": seed, "recipe": RECIPE_VERSION}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
@@ -102,15 +96,9 @@ def ensure_default_checkpoint(
     final = root / f"{name}-{cache_key(cfg, seed)}"
     if (final / "config.json").exists():
         return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = temp_dir_for(final)
     if progress:
         print(f"creating the embedded default checkpoint ({name}, seed {seed}) in {final}", file=sys.stderr)
     save_checkpoint(tmp, cfg, synthetic_params(cfg, seed), fp8=True, progress=progress)
-    try:
-        os.rename(tmp, final)
-    except OSError:
-        # Another process finished first; its checkpoint is identical (same key).
-        shutil.rmtree(tmp, ignore_errors=True)
+    install(tmp, final)  # False: another process finished first; same key, same checkpoint
     return final

@@ -21,10 +21,10 @@ import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
-from hmoe_jax.config import ModelConfig, QuantConfig
+from hmoe_jax.config import ModelConfig, QuantConfig, load_config
 from hmoe_jax.io.errors import CheckpointError
-from hmoe_jax.io.loader import (
-    ALIGN_BYTES,
+from hmoe_jax.io.format import (
+    CONFIG_NAME,
     FP8_TAG,
     INDEX_NAME,
     SCALE_SUFFIX,
@@ -36,6 +36,7 @@ from hmoe_jax.io.names import expected_tensors, flatten_params
 from hmoe_jax.io.safetensors_io import DTYPES, PlannedTensor, write_file
 from hmoe_jax.model.params import ModelParams
 from hmoe_jax.quant.fp8 import FP8_DTYPE, Fp8Tensor, dequantize_np, quantize_np, scale_grid_shape
+from hmoe_jax.quant.hostmem import ALIGN_BYTES
 
 # Files besides weights that travel with a checkpoint on convert.
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
@@ -168,7 +169,7 @@ def _write(
         (out_dir / INDEX_NAME).unlink()  # a stale index would shadow the single file
     d = cfg.to_hf_dict()
     d["torch_dtype"] = torch_dtype
-    (out_dir / "config.json").write_text(json.dumps(d, indent=2))
+    (out_dir / CONFIG_NAME).write_text(json.dumps(d, indent=2))
 
 
 def _dominant_dtype(plan: list[PlannedTensor]) -> str:
@@ -211,8 +212,6 @@ def convert_checkpoint(
 ) -> None:
     """Stream a checkpoint into another format: 'fp8' (DeepSeek block FP8), 'bf16' or
     'f32' (FP8 tensors dequantized). Reads one tensor at a time from the memory map."""
-    from hmoe_jax.config import load_config
-
     if fmt not in FORMATS:
         raise CheckpointError(f"unknown format {fmt!r} (expected one of {sorted(FORMATS)})")
     in_dir, out_dir = Path(in_dir), Path(out_dir)
@@ -220,7 +219,7 @@ def convert_checkpoint(
         raise CheckpointError(f"{in_dir}: checkpoint directory not found")
     if out_dir.resolve() == in_dir.resolve():
         raise CheckpointError(f"{out_dir}: output directory must differ from the input")
-    cfg = load_config(in_dir / "config.json")
+    cfg = load_config(in_dir / CONFIG_NAME)
     cat = open_catalog(in_dir)
     specs = validate(cfg, cat)
     if cat.unused:
