@@ -77,7 +77,7 @@ def measured_here(quick: bool) -> list[dict[str, Any]]:
 
 def projection(quick: bool) -> list[dict[str, Any]]:
     from hmoe_jax.config import named_model_config
-    from hmoe_jax.sim.profile import load_profile
+    from hmoe_jax.plan.profile import load_profile
     from hmoe_jax.sim.run import simulate_decode_step
 
     prof = load_profile(PAPER_MACHINE).with_accelerators(1)
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
     from experiments.common.simval import errors
     from hmoe_jax.config import named_model_config
     from hmoe_jax.plan import costs
-    from hmoe_jax.sim.profile import load_profile
+    from hmoe_jax.plan.profile import load_profile
 
     cfg = named_model_config("deepseek_v3")
     prof = load_profile(PAPER_MACHINE)

@@ -105,7 +105,7 @@ def projection(quick: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     from experiments.common.simval import prefill_projection_row
     from hmoe_jax.config import named_model_config
     from hmoe_jax.plan.format import Plan
-    from hmoe_jax.sim.profile import load_profile
+    from hmoe_jax.plan.profile import load_profile
     from hmoe_jax.sim.run import build_plan, time_plan
 
     cfg = named_model_config("deepseek_v3")
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
     from experiments.common.simval import errors
     from hmoe_jax.config import named_model_config
     from hmoe_jax.plan import costs
-    from hmoe_jax.sim.profile import load_profile
+    from hmoe_jax.plan.profile import load_profile
 
     cfg = named_model_config("deepseek_v3")
     prof = load_profile(PAPER_MACHINE)

@@ -116,7 +116,7 @@ def test_calibrate_writes_the_profile_of_the_checkout_it_runs_in(tmp_path, monke
     written: list = []
     monkeypatch.setattr(cli_calibrate, "calibrate", lambda **_: {"calibrate_s": 0.0})
     monkeypatch.setattr(cli_calibrate, "write_profile", lambda path, m: written.append(path))
-    monkeypatch.setattr("hmoe_jax.sim.profile.load_profile", lambda p: None)
+    monkeypatch.setattr("hmoe_jax.plan.profile.load_profile", lambda p: None)
     (tmp_path / "experiments").mkdir()
     (tmp_path / "experiments" / "e99_x.py").write_text("")
     (tmp_path / "configs" / "systems").mkdir(parents=True)
@@ -128,6 +128,6 @@ def test_calibrate_writes_the_profile_of_the_checkout_it_runs_in(tmp_path, monke
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
     assert cli_calibrate.cmd_calibrate(args) == 0
-    from hmoe_jax.sim.profile import profiles_dir
+    from hmoe_jax.plan.profile import profiles_dir
 
     assert written[1] == profiles_dir() / "local.toml"

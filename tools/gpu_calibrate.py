@@ -122,7 +122,7 @@ def op_overhead_s(reps: int) -> float:
 
 
 def write(base_path: str, out: Path, m: dict) -> None:
-    from hmoe_jax.sim.profile import load_profile
+    from hmoe_jax.plan.profile import load_profile
 
     base = load_profile(base_path)
     day = m["date_utc"]

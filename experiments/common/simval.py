@@ -50,7 +50,7 @@ class Probe:
 def local_profile(
     read_gbps: float | None = None, link_gbps: float | None = None, peak_tflops: float | None = None
 ):
-    from hmoe_jax.sim.profile import load_profile
+    from hmoe_jax.plan.profile import load_profile
 
     prof = load_profile("local")
     if read_gbps is not None:
