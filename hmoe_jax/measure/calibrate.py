@@ -35,7 +35,7 @@ import numpy as np
 
 from hmoe_jax.measure.probes import ReadProbe
 from hmoe_jax.measure.stacks import fp8_stack, int4_stack
-from hmoe_jax.measure.timing import median_s, side_by_side
+from hmoe_jax.measure.timing import median_time, side_by_side
 
 
 def expert_kernel(rng, probe: ReadProbe, fmt: str, n_experts: int, repeats: int) -> dict[str, float]:
@@ -77,11 +77,11 @@ def expert_kernel(rng, probe: ReadProbe, fmt: str, n_experts: int, repeats: int)
     for key, m in (("prefill_small", 64), ("prefill", 256)):
         ids = np.stack([rng.permutation(n_experts)[:k] for _ in range(m)]).astype(np.int32)
         x = jnp.asarray(rng.standard_normal((m, d)), jnp.float32)
-        t = median_s(
+        t = median_time(
             lambda x=x, ids=ids, m=m: fn(x, jnp.asarray(ids), jnp.full((m, k), 1.0 / k, jnp.float32), ex),
             max(3, repeats // 2),
-            probe=probe,
-        )
+            between=probe.tflops,
+        ).median_s
         out[f"{key}_tflops"] = 2 * 3 * d * i * m * k / t / 1e12
         out[f"{key}_rows_per_expert"] = m * k / n_experts
     return out
@@ -105,11 +105,11 @@ def copy_rates(repeats: int) -> dict[str, float]:
         ring.wait(0)
         ring.release(0)
 
-    t = median_s(fill, repeats)
+    t = median_time(fill, repeats).median_s
     ring.close()
     devs = jax.devices("cpu")
     hop = jax.device_put(np.ones((8 << 20) // 4, np.float32), devs[-1])
-    th = median_s(lambda: jax.device_put(hop, devs[0]), repeats * 2)
+    th = median_time(lambda: jax.device_put(hop, devs[0]), repeats * 2).median_s
     return {"copy_gbps": nbytes / t / 1e9, "hop_gbps": (8 << 20) / th / 1e9}
 
 

@@ -1,5 +1,10 @@
-"""Probes of this machine's rates: DRAM read bandwidth (the hmoe_read_bytes kernel over
-1 GiB, all pool threads) and the bf16 dot-product peak (hmoe_bf16_dot_peak)."""
+"""Probes of this machine's rates: DRAM read bandwidth (the hmoe_read_bytes kernel: 512-bit
+loads on the GEMM kernels' own thread pool, over a buffer much larger than L3) and the bf16
+dot-product peak (hmoe_bf16_dot_peak).
+
+- ReadProbe: one read of 1 GiB per call, kept for side-by-side timing (measure/timing.py);
+- measure_read_bw: the median read rate of a few reads (experiments' ceilings).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,37 @@ import time
 
 import numpy as np
 
+from hmoe_jax.measure.timing import TimingStats, median_time
+
 GIB = 1 << 30
+
+
+def touched_buffer(nbytes: int):
+    """A page-aligned `nbytes` uint8 buffer with every page written (so a probe reads
+    memory, not the shared zero page), handed to jax zero-copy."""
+    from hmoe_jax.kernels.gemm import device_put_zero_copy
+    from hmoe_jax.quant.hostmem import aligned_empty
+
+    buf = aligned_empty((nbytes,), np.uint8)
+    buf[:] = 1
+    return device_put_zero_copy(buf)
+
+
+def measure_read_bw(nbytes: int = GIB, threads: int = 0, repeats: int = 5) -> tuple[float, TimingStats, str]:
+    """(GB/s from the median time, the timing, the method) for reading `nbytes` once. Falls
+    back to numpy's sum when the extension is missing (slower: one thread, and it converts
+    as it sums)."""
+    try:
+        from hmoe_jax.kernels.gemm import read_bytes
+
+        arr = touched_buffer(nbytes)
+        stats = median_time(lambda: read_bytes(arr, num_threads=threads), repeats=repeats, warmup=1)
+        method = "hmoe_read_bytes"
+    except ImportError:
+        buf = np.ones(nbytes // 8, np.uint64)
+        stats = median_time(lambda: buf.sum(), repeats=repeats, warmup=1)
+        method = "numpy_sum"
+    return nbytes / stats.median_s / 1e9, stats, method
 
 
 class ReadProbe:
@@ -17,12 +52,7 @@ class ReadProbe:
     of the probes taken in its own rounds."""
 
     def __init__(self) -> None:
-        from hmoe_jax.kernels.gemm import device_put_zero_copy
-        from hmoe_jax.quant.hostmem import aligned_empty
-
-        buf = aligned_empty((GIB,), np.uint8)
-        buf[:] = 1  # touch every page
-        self.arr = device_put_zero_copy(buf)
+        self.arr = touched_buffer(GIB)
         self.all_gbps: list[float] = []
         self.all_tflops: list[float] = []
 
@@ -39,7 +69,8 @@ class ReadProbe:
 
     def tflops(self) -> float | None:
         """A short bf16 dot-product peak probe (~60 ms; None without AVX-512-BF16): the same
-        estimator experiments/common/simval.py uses, so their ratio measures the neighbours."""
+        estimator for calibrate and the simulator validation (experiments/common/simval.py),
+        so their ratio measures the neighbours."""
         from hmoe_jax.kernels.moe import bf16_dot_peak_flops
 
         try:

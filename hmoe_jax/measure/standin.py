@@ -21,7 +21,7 @@ import numpy as np
 
 from hmoe_jax.measure.probes import ReadProbe
 from hmoe_jax.measure.stacks import fp8_stack
-from hmoe_jax.measure.timing import median_s, side_by_side
+from hmoe_jax.measure.timing import median_time, side_by_side
 
 
 def convert_gbps(rng, probe: ReadProbe, repeats: int) -> float:
@@ -56,7 +56,9 @@ def convert_gbps(rng, probe: ReadProbe, repeats: int) -> float:
         )
         return state["acc"]
 
-    return one / median_s(call, max(3, repeats // 2), warmup=len(groups), probe=probe) / 1e9
+    return (
+        one / median_time(call, max(3, repeats // 2), warmup=len(groups), between=probe.tflops).median_s / 1e9
+    )
 
 
 def standin_gemm(rng, probe: ReadProbe, repeats: int) -> dict[str, float]:
@@ -81,11 +83,11 @@ def standin_gemm(rng, probe: ReadProbe, repeats: int) -> dict[str, float]:
     wb = n * kk + 4 * (n // 128) * (kk // 128)
     m = 512
     xm = jnp.asarray(rng.standard_normal((m, kk)), jnp.bfloat16)
-    tm = median_s(lambda: f(xm, ws[0]), max(3, repeats // 2), probe=probe)
+    tm = median_time(lambda: f(xm, ws[0]), max(3, repeats // 2), between=probe.tflops).median_s
     a = jnp.asarray(rng.standard_normal((m, kk)), jnp.float32)
     b = jnp.asarray(rng.standard_normal((kk, n)), jnp.float32)
     dot = jax.jit(jnp.dot)
-    t32 = median_s(lambda: dot(a, b), max(3, repeats // 2), probe=probe)
+    t32 = median_time(lambda: dot(a, b), max(3, repeats // 2), between=probe.tflops).median_s
     return {
         "gemv_gbps": wb / t1 / 1e9,
         "gemv_probe_gbps": bw,
@@ -140,7 +142,7 @@ def standin_attention(rng, probe: ReadProbe, repeats: int, model: str = "deepsee
         rope = jnp.zeros((1, t, cfg.qk_rope_head_dim), jnp.bfloat16)
         f = jax.jit(functools.partial(A.prefill_attention, cfg=cfg, row=0, start=0, prec=prec, form=form))
         args = {"p": p, "x": x, "cache_lat": lat, "cache_rope": rope}
-        s = median_s(lambda f=f, args=args: f(**args), max(3, repeats // 3), probe=probe)
+        s = median_time(lambda f=f, args=args: f(**args), max(3, repeats // 3), between=probe.tflops).median_s
         flops = costs.attn_flops(cfg, t, 0, form=form, cache_len=t)
         out[form] = {"tokens": t, "model": model, "seconds": s, "tflops": flops / s / 1e12}
     return out
