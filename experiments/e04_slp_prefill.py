@@ -36,7 +36,8 @@ TTFT_BUDGET_S = 30.0
 
 
 def measured_here(quick: bool) -> list[dict[str, Any]]:
-    from experiments.common.simval import Probe, bench_params, local_profile, make_engine, measure_prefill
+    from experiments.common.simval import bench_params, local_profile, make_engine, measure_prefill
+    from hmoe_jax.measure.probes import ReadProbe
     from hmoe_jax.sim.run import simulate_request
 
     lengths = [32, 128] if quick else [64, 256]
@@ -45,7 +46,7 @@ def measured_here(quick: bool) -> list[dict[str, Any]]:
     reps = {"cpu": 1 if quick else 3, "slp": 1 if quick else 2}
     cfg, params = bench_params(quick)
     max_len = 256
-    probe = Probe()
+    probe = ReadProbe()
     probe.gbps()
     rows = []
     # (link cap, schedules, lengths): the emulated 1 GB/s link only at the shortest length
