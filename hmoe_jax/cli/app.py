@@ -6,10 +6,12 @@ Interfaces are stable (other tools call them):
                 [--schedule NAME --devices N --trace FILE --link-gbps X --acc-tflops-cap Y --system S]  (hybrid engine)
   hmoe logits   [--checkpoint DIR] --tokens 1,2,3 --out FILE.npy
   hmoe convert  --checkpoint IN --out OUT [--format fp8|bf16|f32|arena] [--shard-bytes N]
-  hmoe plan     (--model NAME | --config FILE) --system S --schedule slp|dslp|cpu|auto --prompt-len T
-                [--kv-rows N] [--max-len L] [--measure/--no-measure] [--json]  (exit 3: does not fit)
+  hmoe plan     (--model NAME | --config FILE) --system PROFILE --schedule slp|dslp|cpu|auto --prompt-len T
+                [--devices N] [--kv-rows N] [--max-len L] [--measure/--no-measure] [--json]  (exit 3: does not fit)
   hmoe simulate --model NAME --system PROFILE --schedule S --prompt-len T [--decode-tokens K] [--batch B]
                 [--devices N] [--int4] [--json]  (the simulator, hmoe_jax/sim/; no weights, no jax)
+  (--system PROFILE: configs/systems/PROFILE.toml or a path, the same files for every command;
+   --devices N of its accelerators)
   hmoe calibrate [--out PATH] [--quick] [--json]  (measure this machine: configs/systems/local.toml)
   hmoe reproduce [--quick] [--only e03,e04] [--table-only]  (experiments, paper_figs/, claims table)
   hmoe serve    [--checkpoint DIR] [--host H] [--port P] [--policy NAME] ...  (OpenAI-compatible server)

@@ -28,8 +28,8 @@ def add_calibrate_parser(sub: Any) -> None:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    from hmoe_jax.plan.profile import load_profile, profiles_dir
     from hmoe_jax.runtime.placement import configure_stand_ins
-    from hmoe_jax.sim.profile import load_profile, profiles_dir
 
     try:  # two stand-in devices (host + acc) for the hop measurement, before jax starts
         configure_stand_ins(1)

@@ -180,7 +180,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="cap the stand-in accelerator's compute rate (emulation, with --link-gbps)",
     )
-    p.add_argument("--system", default=None, help="configs/systems/<name>.json or a path (SLP/auto policy)")
+    p.add_argument(
+        "--system",
+        default=None,
+        help="configs/systems/<NAME>.toml profile or a path: the auto policy's thresholds and the plans' "
+        "rates, with --devices of its accelerators (default: the paper box, one RTX 5090)",
+    )
 
 
 def cmd_generate_engine(args: argparse.Namespace, run: Run, ids: list[int]) -> int:
@@ -211,7 +216,7 @@ def cmd_generate_engine(args: argparse.Namespace, run: Run, ids: list[int]) -> i
     if args.trace is not None and not args.trace.resolve().parent.is_dir():
         raise InputError(f"--trace: directory {args.trace.parent} does not exist")
     devices = args.devices or 1
-    system = load_system(args.system) if args.system else SystemSpec(num_accelerators=devices)
+    system = load_system(args.system, devices) if args.system else SystemSpec(num_accelerators=devices)
     from hmoe_jax.runtime.placement import PlacementError
     from hmoe_jax.schedules.base import ScheduleError
 
@@ -261,6 +266,7 @@ def cmd_generate_engine(args: argparse.Namespace, run: Run, ids: list[int]) -> i
             "schedule": res.schedule,
             "schedule_requested": args.schedule,
             "devices": devices,
+            "system": system.name,
             "link_gbps": args.link_gbps,
             "acc_tflops_cap": args.acc_tflops_cap,
             "prefill_s": res.prefill_s,
@@ -308,7 +314,7 @@ def set_gpu_mem_fraction(args: argparse.Namespace) -> float | None:
 
         cfg = load_config(Path(ckpt) / "config.json")
         devices = args.devices or 1
-        system = load_system(args.system) if args.system else SystemSpec(num_accelerators=devices)
+        system = load_system(args.system, devices) if args.system else SystemSpec(num_accelerators=devices)
         # prompt tokens: exact for --tokens; the UTF-8 byte count bounds a byte-level BPE's
         tokens = len(args.tokens.split(",")) if args.tokens else len(args.prompt.encode()) + 2
         sched = get_schedule(schedule)

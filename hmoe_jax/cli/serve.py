@@ -72,7 +72,11 @@ def add_serve_parsers(sub: Any) -> None:
     s.add_argument(
         "--expert-fn", choices=["auto", "ref", "ffi"], default="auto", help="host routed-expert path"
     )
-    s.add_argument("--system", default=None, help="configs/systems/<name>.json or a path")
+    s.add_argument(
+        "--system",
+        default=None,
+        help="configs/systems/<NAME>.toml profile or a path, with --devices of its accelerators",
+    )
     s.add_argument("--pd", action="store_true", help="prefill/decode disaggregation: two worker processes")
     s.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM"

@@ -1,6 +1,6 @@
 """`hmoe calibrate`'s measurements (measure/calibrate.py) written as this machine's simulator
 profile, configs/systems/local.toml: every value with its "measured: ..." or "derived: ..."
-source (the format sim/profile.py reads)."""
+source (the format plan/profile.py reads)."""
 
 from __future__ import annotations
 
