@@ -16,9 +16,17 @@ import dataclasses
 
 from hmoe_jax.plan.profile import Profile, check_value, load_profile
 
-# field -> (type, rule of plan.profile.check_value): the profile's own rules, so a value
+# field type -> rule of plan.profile.check_value (the profile's own rules), so a value
 # built in code is checked exactly like one read from a file
 _RULES = {str: "str", int: "count", float: "pos"}
+_TYPES = {"str": str, "int": int, "float": float}  # annotation text -> type
+# the profile's [schedule] keys, the same names as the fields below
+_SCHEDULE_KEYS = (
+    "auto_slp_min_tokens",
+    "auto_dslp_min_tokens",
+    "cpu_prefill_chunk_tokens",
+    "slp_experts_per_slot",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,15 +67,6 @@ class SystemSpec:
             acc_mem_bytes=int(acc["mem_bytes"]),
             **{k: int(sch[k]) for k in _SCHEDULE_KEYS},
         )
-
-
-_TYPES = {"str": str, "int": int, "float": float}
-_SCHEDULE_KEYS = (
-    "auto_slp_min_tokens",
-    "auto_dslp_min_tokens",
-    "cpu_prefill_chunk_tokens",
-    "slp_experts_per_slot",
-)
 
 
 def load_system(name_or_path: str, devices: int | None = None) -> SystemSpec:
