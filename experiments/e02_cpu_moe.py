@@ -44,6 +44,7 @@ from experiments.common import TimingStats, emit_record, parse_args, print_ceili
 from hmoe_jax.kernels import ffi
 from hmoe_jax.kernels.gemm import aligned_empty, device_put_zero_copy, read_bytes
 from hmoe_jax.kernels.moe import moe_experts
+from hmoe_jax.measure.timing import time_once, wait
 from hmoe_jax.model.params import ExpertsParams
 from hmoe_jax.quant.fp8 import Fp8Tensor
 from hmoe_jax.quant.int4 import Int4Tensor
@@ -168,26 +169,19 @@ def peak_tflops(threads: int) -> tuple[float | None, str]:
 def shuffled_timings(
     variants: dict[str, Any], rounds: int, rng: np.random.Generator, settle_s: float = 0.06
 ) -> dict[str, TimingStats]:
-    """Round-robin timing like experiments.common.interleaved_timings, but each round in a
+    """Round-robin timing like hmoe_jax.measure.timing.interleaved_timings, but each round in a
     fresh random order and with an untimed pause before every call: kt-kernel's and the
     GEMM pool's workers keep spinning after their call (kt-kernel: ~30-40 ms, measured), and in a fixed order
     that spin always lands on the same next variant (we saw it bias ours by 10-20%)."""
     for fn in variants.values():  # warm-up (compiles, first touches)
-        _block(fn())
+        wait(fn())
     samples: dict[str, list[float]] = {name: [] for name in variants}
     names = list(variants)
     for _ in range(rounds):
         for i in rng.permutation(len(names)):
             time.sleep(settle_s)
-            t0 = time.perf_counter()
-            _block(variants[names[i]]())
-            samples[names[i]].append(time.perf_counter() - t0)
+            samples[names[i]].append(time_once(variants[names[i]]))
     return {name: TimingStats.of(s) for name, s in samples.items()}
-
-
-def _block(out: Any) -> None:
-    if hasattr(out, "block_until_ready"):
-        out.block_until_ready()
 
 
 class Bench:

@@ -34,12 +34,13 @@ PAPER_MACHINE = "paper_epyc9355_rtx5090"
 
 
 def measured_here(quick: bool) -> list[dict[str, Any]]:
-    from experiments.common.simval import Probe, bench_engine, measure_decode
+    from experiments.common.simval import bench_engine, measure_decode
+    from hmoe_jax.measure.probes import ReadProbe
 
     batches = [1, 4] if quick else [1, 2, 4]
     steps = 4 if quick else 8
     cfg, eng = bench_engine(quick, max_len=128, max_batch=sum(batches))
-    probe = Probe()
+    probe = ReadProbe()
     probe.gbps()
     rows = measure_decode(eng, batches, steps, prompt_len=16, probe=probe)
     eng.close()
@@ -77,7 +78,7 @@ def sim_here(cfg, r: dict[str, Any]) -> dict[str, Any]:
 
 def projection(quick: bool) -> list[dict[str, Any]]:
     from hmoe_jax.config import named_model_config
-    from hmoe_jax.sim.profile import load_profile
+    from hmoe_jax.plan.profile import load_profile
     from hmoe_jax.sim.run import simulate_decode_step
 
     prof = load_profile(PAPER_MACHINE).with_accelerators(1)
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args("e03_decode", __doc__, argv)
     from hmoe_jax.config import named_model_config
     from hmoe_jax.plan import costs
-    from hmoe_jax.sim.profile import load_profile
+    from hmoe_jax.plan.profile import load_profile
 
     cfg = named_model_config("deepseek_v3")
     prof = load_profile(PAPER_MACHINE)

@@ -37,7 +37,8 @@ HERE_MAX_LEN = 256  # the engine's cache rows in the measured part (prompts up t
 
 
 def measured_here(quick: bool) -> list[dict[str, Any]]:
-    from experiments.common.simval import Probe, bench_params, make_engine, measure_prefill
+    from experiments.common.simval import bench_params, make_engine, measure_prefill
+    from hmoe_jax.measure.probes import ReadProbe
 
     lengths = [32, 128] if quick else [64, 256]
     # an slp prefill of the twin costs ~15 s here (XLA's FP8 dequant); a cpu one 2-7 s: three
@@ -45,7 +46,7 @@ def measured_here(quick: bool) -> list[dict[str, Any]]:
     reps = {"cpu": 1 if quick else 3, "slp": 1 if quick else 2}
     cfg, params = bench_params(quick)
     max_len = HERE_MAX_LEN
-    probe = Probe()
+    probe = ReadProbe()
     probe.gbps()
     rows = []
     # (link cap, schedules, lengths): the emulated 1 GB/s link only at the shortest length
@@ -138,7 +139,7 @@ def projection(quick: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     from experiments.common.simval import prefill_projection_row
     from hmoe_jax.config import named_model_config
     from hmoe_jax.plan.format import Plan
-    from hmoe_jax.sim.profile import load_profile
+    from hmoe_jax.plan.profile import load_profile
     from hmoe_jax.sim.run import build_plan, time_plan
 
     cfg = named_model_config("deepseek_v3")
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args("e04_slp_prefill", __doc__, argv)
     from hmoe_jax.config import named_model_config
     from hmoe_jax.plan import costs
-    from hmoe_jax.sim.profile import load_profile
+    from hmoe_jax.plan.profile import load_profile
 
     cfg = named_model_config("deepseek_v3")
     prof = load_profile(PAPER_MACHINE)

@@ -130,7 +130,7 @@ def projection(quick: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     from experiments.common.simval import prefill_projection_row
     from experiments.e04_slp_prefill import max_prompt_within
     from hmoe_jax.config import named_model_config
-    from hmoe_jax.sim.profile import load_profile
+    from hmoe_jax.plan.profile import load_profile
     from hmoe_jax.sim.run import build_plan, simulate_request, time_plan
 
     cfg = named_model_config("deepseek_v3")
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     configure_stand_ins(2)  # host + 2 stand-ins for the measured dslp/ep runs, before jax starts
     from experiments.common.simval import errors
-    from hmoe_jax.sim.profile import load_profile
+    from hmoe_jax.plan.profile import load_profile
 
     prof = load_profile(PAPER_MACHINE)
     print_ceiling(

@@ -434,8 +434,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     configure_stand_ins(2)
     from experiments.common.simserve import project, validate_mixes
-    from experiments.common.simval import Probe
     from hmoe_jax.engine.engine import Engine
+    from hmoe_jax.measure.probes import ReadProbe
     from hmoe_jax.plan.system import SystemSpec
     from hmoe_jax.serve.pd import PDCoordinator
     from hmoe_jax.serve.scheduler import Scheduler
@@ -443,7 +443,7 @@ def main(argv: list[str] | None = None) -> dict:
     quick = args.quick
     t_start = time.perf_counter()
     cfg, params, ckpt, model_desc = build_model(quick)
-    probe = Probe()
+    probe = ReadProbe()
     batches = [1, 2, 4] if quick else [1, 2, 4, 6]
     long_len = 160 if quick else 128
     max_len = 256 if quick else 512

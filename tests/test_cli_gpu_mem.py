@@ -6,17 +6,20 @@ from __future__ import annotations
 import argparse
 import shutil
 
-from hmoe_jax import cli
+from hmoe_jax.cli import generate as cli
 from hmoe_jax.config import configs_dir
 from hmoe_jax.plan.memory import gpu_mem_fraction
 from hmoe_jax.plan.system import load_system
 from hmoe_jax.schedules.registry import get_schedule
 
 VAR = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+PAPER = "paper_epyc9355_rtx5090"
 
 
 def _args(ckpt, **kw):
-    base = dict(command="generate", checkpoint=ckpt, schedule=None, devices=None, system="rtx5090_x1")
+    base = dict(
+        command="generate", checkpoint=ckpt, schedule=None, devices=None, system="paper_epyc9355_rtx5090"
+    )
     return argparse.Namespace(**{**base, "tokens": ",".join(["5"] * 8000), "prompt": None, **kw})
 
 
@@ -26,7 +29,7 @@ def test_fraction_follows_the_plan(tmp_path, monkeypatch):
     frac = cli.set_gpu_mem_fraction(_args(tmp_path))
     from hmoe_jax.config import load_config
 
-    cfg, system = load_config(tmp_path / "config.json"), load_system("rtx5090_x1")
+    cfg, system = load_config(tmp_path / "config.json"), load_system(PAPER, 1)
     want = gpu_mem_fraction(get_schedule("slp").budget(cfg, system, 8000), system)  # auto: 8000 -> slp
     assert frac == want and 0.75 <= frac <= 0.97
     assert float(__import__("os").environ[VAR]) == round(frac, 2)

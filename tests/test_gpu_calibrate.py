@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hmoe_jax.sim.profile import load_profile, profile_names
+from hmoe_jax.plan.profile import load_profile, profile_names
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import gpu_calibrate  # noqa: E402

@@ -1,6 +1,6 @@
 """Plans that fit: the accelerator memory budget (plan/memory.py), `hmoe plan`, and the cost
 model pinned to what XLA compiles for a real DeepSeek-V3 layer. Compile-only: operands are
-ShapeDtypeStructs (runtime/compile_probe.py), nothing of DeepSeek-V3's size is allocated.
+ShapeDtypeStructs (measure/compile_probe.py), nothing of DeepSeek-V3's size is allocated.
 XLA:CPU here; XLA:GPU fuses differently (docs/engine.md "Plans that fit")."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import json
 import pytest
 
 from hmoe_jax.cli import main
-from hmoe_jax.config import named_model_config
+from hmoe_jax.config import configs_dir, named_model_config
+from hmoe_jax.measure import compile_probe as C
 from hmoe_jax.model import attention as A
 from hmoe_jax.plan import costs, memory
 from hmoe_jax.plan.system import SystemSpec, load_system
-from hmoe_jax.runtime import compile_probe as C
 from hmoe_jax.runtime import executor, pieces
 from hmoe_jax.runtime.kvpool import bytes_per_row
 from hmoe_jax.schedules.base import ScheduleError
@@ -22,6 +22,7 @@ from hmoe_jax.schedules.registry import get_schedule
 
 V3 = named_model_config("deepseek_v3")
 TINY = named_model_config("deepseek_v3_tiny")
+PAPER = "paper_epyc9355_rtx5090"  # the paper box: --devices 1 and 2 are the one- and two-GPU builds
 GIB = 2**30
 KEYS = (
     "fits acc_peak_bytes resident_bytes ring_bytes cache_bytes temp_bytes temp_measured "
@@ -42,7 +43,17 @@ def _plan(capsys, *argv: str) -> tuple[int, dict]:
 
 
 def test_slp_32k_fits_one_rtx5090_with_measured_temporaries(capsys):
-    rc, rec = _plan(capsys, "--system", "rtx5090_x1", "--schedule", "slp", "--prompt-len", "32768")
+    rc, rec = _plan(
+        capsys,
+        "--system",
+        "paper_epyc9355_rtx5090",
+        "--devices",
+        "1",
+        "--schedule",
+        "slp",
+        "--prompt-len",
+        "32768",
+    )
     assert rc == 0 and rec["fits"] is True and rec["temp_measured"] is True
     assert rec["acc_peak_bytes"] <= rec["usable_bytes"] and rec["ring_slots"] >= 2
     assert 19 * GIB < rec["resident_bytes"] < 21 * GIB  # FP8 non-expert weights + absorbed bf16
@@ -53,7 +64,16 @@ def test_slp_32k_fits_one_rtx5090_with_measured_temporaries(capsys):
 
 def test_slp_32k_estimate_alone_also_fits(capsys):
     rc, rec = _plan(
-        capsys, "--system", "rtx5090_x1", "--schedule", "slp", "--prompt-len", "32768", "--no-measure"
+        capsys,
+        "--system",
+        "paper_epyc9355_rtx5090",
+        "--devices",
+        "1",
+        "--schedule",
+        "slp",
+        "--prompt-len",
+        "32768",
+        "--no-measure",
     )
     assert rc == 0 and rec["fits"] is True and rec["temp_measured"] is False
 
@@ -61,7 +81,17 @@ def test_slp_32k_estimate_alone_also_fits(capsys):
 def test_dslp_32k_fits_two_rtx5090_with_measured_temporaries(capsys):
     # Rank 0 reuses the engine's resident weights (19.9 GiB) and holds one MoE layer of its
     # 128 experts (5.25 GiB); attention and SmallEP run in blocks (a few GiB per rank).
-    rc, rec = _plan(capsys, "--system", "rtx5090_x2", "--schedule", "dslp", "--prompt-len", "32768")
+    rc, rec = _plan(
+        capsys,
+        "--system",
+        "paper_epyc9355_rtx5090",
+        "--devices",
+        "2",
+        "--schedule",
+        "dslp",
+        "--prompt-len",
+        "32768",
+    )
     assert rc == 0 and rec["fits"] is True and rec["devices"] == 2 and rec["temp_measured"] is True
     assert rec["rank"] == 0 and "rank 0 of 2 fits" in rec["message"]
     assert 19 * GIB < rec["resident_bytes"] < 21 * GIB
@@ -72,15 +102,27 @@ def test_dslp_32k_fits_two_rtx5090_with_measured_temporaries(capsys):
 
 def test_dslp_far_too_long_does_not_fit_and_says_where(capsys):
     rc, rec = _plan(
-        capsys, "--system", "rtx5090_x2", "--schedule", "dslp", "--prompt-len", "131072", "--no-measure"
+        capsys,
+        "--system",
+        "paper_epyc9355_rtx5090",
+        "--devices",
+        "2",
+        "--schedule",
+        "dslp",
+        "--prompt-len",
+        "131072",
+        "--no-measure",
     )
     assert rc == 3 and rec["fits"] is False and rec["devices"] == 2
     assert "rank 0 of 2" in rec["message"] and "does not fit" in rec["message"]
 
 
 def test_dslp_fits_two_large_accelerators(capsys, tmp_path):
-    f = tmp_path / "big_x2.json"
-    f.write_text(json.dumps({"num_accelerators": 2, "acc_mem_bytes": 80 * GIB}))
+    # the paper box with 80 GiB accelerators: a profile file like any other
+    paper = (configs_dir() / "systems" / f"{PAPER}.toml").read_text()
+    f = tmp_path / "big_x2.toml"
+    f.write_text(paper.replace("mem_bytes = { value = 34359738368,", f"mem_bytes = {{ value = {80 * GIB},"))
+    assert f.read_text() != paper
     rc, rec = _plan(capsys, "--system", str(f), "--schedule", "dslp", "--prompt-len", "4096", "--no-measure")
     assert rc == 0 and rec["fits"] is True and rec["est_prefill_s"] > 0 and rec["compute_dtype"] == "fp32"
 
@@ -94,26 +136,36 @@ def test_dslp_fits_two_large_accelerators(capsys, tmp_path):
     ],
 )
 def test_plans_that_cannot_fit_exit_3_with_the_numbers(capsys, argv, needle):
-    rc, rec = _plan(capsys, "--system", "rtx5090_x1", "--schedule", "slp", "--no-measure", *argv)
+    rc, rec = _plan(
+        capsys,
+        "--system",
+        "paper_epyc9355_rtx5090",
+        "--devices",
+        "1",
+        "--schedule",
+        "slp",
+        "--no-measure",
+        *argv,
+    )
     assert rc == 3 and rec["fits"] is False and rec["est_prefill_s"] is None
     msg = rec["message"]
     assert "does not fit" in msg and needle in msg and "GiB" in msg and "usable" in msg
 
 
 def test_schedules_refuse_a_plan_that_does_not_fit():
-    sys1 = load_system("rtx5090_x1")
+    sys1 = load_system(PAPER, 1)
     with pytest.raises(ScheduleError, match=r"slp at 32768 tokens does not fit: .*16 x 33280-token rows"):
         get_schedule("slp", kv_rows=16, max_len=33280).plan(V3, sys1, 32768)
     with pytest.raises(ScheduleError, match="cpu at 1 tokens does not fit"):
         get_schedule("cpu", kv_rows=64, max_len=163840).plan(V3, sys1, 1)
     with pytest.raises(ScheduleError, match="rank 0 of 2"):
-        get_schedule("dslp", kv_rows=8, max_len=16384).plan(V3, load_system("rtx5090_x2"), 4096, devices=2)
+        get_schedule("dslp", kv_rows=8, max_len=16384).plan(V3, load_system(PAPER, 2), 4096, devices=2)
     p = get_schedule("slp").plan(TINY, SystemSpec(), 64)  # the tiny twins always fit
     assert p.meta["memory"]["acc_peak_bytes"] < SystemSpec().acc_mem_bytes
 
 
 def test_ring_gets_the_memory_left_when_transfer_bound():
-    sys1 = load_system("rtx5090_x1")
+    sys1 = load_system(PAPER, 1)
     b = get_schedule("slp").budget(V3, sys1, 8192)
     assert 2 <= b.ring_slots < V3.n_routed_experts  # less than a layer fits beside 19.9 GiB
     assert b.usable_bytes - b.acc_peak_bytes < b.slot_bytes  # ... and no further slot would
@@ -128,8 +180,8 @@ def test_budget_pieces_agree_with_the_runtime():
         assert costs.decode_kv_len(n, 4096) == executor.decode_kv_len(n, 4096)
         assert costs.key_block(512, 64 * n) == A.key_block(512, 64 * n)
         assert memory.experts_group_temp(V3, n, 1) >= 0 and pieces.row_bucket(n) >= n
-    b = get_schedule("slp").budget(V3, load_system("rtx5090_x1"), 32768)
-    assert 0.75 <= memory.gpu_mem_fraction(b, load_system("rtx5090_x1")) <= 0.96
+    b = get_schedule("slp").budget(V3, load_system(PAPER, 1), 32768)
+    assert 0.75 <= memory.gpu_mem_fraction(b, load_system(PAPER, 1)) <= 0.96
 
 
 # ---------------------------------------------------------------- (b) compiled temporaries
@@ -202,7 +254,7 @@ def test_decode_attention_flops_match_xla():
 
 
 def test_time_is_priced_at_the_dtype_that_runs():
-    sys1 = load_system("rtx5090_x1")
+    sys1 = load_system(PAPER, 1)
     t = 32768
     p = get_schedule("slp").plan(V3, sys1, t)
     assert p.meta["compute_dtype"] == "bf16"  # FP8 weights dequantised to bf16: bf16 GEMMs

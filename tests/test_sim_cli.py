@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from hmoe_jax import cli_reproduce
 from hmoe_jax.cli import main
+from hmoe_jax.cli import reproduce as cli_reproduce
 
 
 def test_simulate_json_last_line_has_the_documented_keys(capsys):
@@ -111,12 +111,12 @@ def test_calibrate_writes_the_profile_of_the_checkout_it_runs_in(tmp_path, monke
     plain install with its own copy of configs; elsewhere, the package's."""
     import argparse
 
-    from hmoe_jax import cli_calibrate
+    from hmoe_jax.cli import calibrate as cli_calibrate
 
     written: list = []
     monkeypatch.setattr(cli_calibrate, "calibrate", lambda **_: {"calibrate_s": 0.0})
     monkeypatch.setattr(cli_calibrate, "write_profile", lambda path, m: written.append(path))
-    monkeypatch.setattr("hmoe_jax.sim.profile.load_profile", lambda p: None)
+    monkeypatch.setattr("hmoe_jax.plan.profile.load_profile", lambda p: None)
     (tmp_path / "experiments").mkdir()
     (tmp_path / "experiments" / "e99_x.py").write_text("")
     (tmp_path / "configs" / "systems").mkdir(parents=True)
@@ -128,6 +128,6 @@ def test_calibrate_writes_the_profile_of_the_checkout_it_runs_in(tmp_path, monke
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
     assert cli_calibrate.cmd_calibrate(args) == 0
-    from hmoe_jax.sim.profile import profiles_dir
+    from hmoe_jax.plan.profile import profiles_dir
 
     assert written[1] == profiles_dir() / "local.toml"

@@ -17,10 +17,10 @@ import pytest
 
 from experiments.e22_batched_decode import bench_twin_config
 from hmoe_jax.config import named_model_config
+from hmoe_jax.plan.profile import load_profile
 from hmoe_jax.policies.base import Policy
 from hmoe_jax.policies.registry import get_policy, policy_names
 from hmoe_jax.sim.events import SimError
-from hmoe_jax.sim.profile import load_profile
 from hmoe_jax.sim.run import simulate_decode_step, simulate_request
 from hmoe_jax.sim.serve import SimRequest, SimServer, decode_arms, from_replay
 

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from hmoe_jax.sim.profile import load_profile, profile_names
+from hmoe_jax.plan.profile import load_profile, profile_names
 
 pytestmark = pytest.mark.skipif(
     "local" not in profile_names(), reason="no configs/systems/local.toml: run `hmoe calibrate` first"

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -22,18 +20,8 @@ import ml_dtypes
 import numpy as np
 
 from hmoe_jax.kernels import gemm
+from hmoe_jax.measure.timing import interleaved_timings, median_time
 from hmoe_jax.quant.fp8 import FP8_DTYPE, Fp8Tensor
-
-
-def _time_s(fn) -> float:
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    return time.perf_counter() - t0
-
-
-def _median_s(fn, reps: int) -> float:
-    fn()  # warm-up (compiles)
-    return statistics.median(_time_s(fn) for _ in range(reps))
 
 
 def bench_bf16(vocab: int, k: int, reps: int) -> dict:
@@ -51,11 +39,9 @@ def bench_bf16(vocab: int, k: int, reps: int) -> dict:
         x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
         mm = jax.jit(gemm.bf16_matmul)
         jax.block_until_ready((mm(x, w), probe(w)))  # compile
-        t_mm, t_rd = [], []
-        for _ in range(reps):  # alternate: the VM's bandwidth drifts
-            t_mm.append(_time_s(lambda x=x, mm=mm: mm(x, w)))
-            t_rd.append(_time_s(lambda: probe(w)))
-        mm_s, rd_s = statistics.median(t_mm), statistics.median(t_rd)
+        # alternate: the VM's bandwidth drifts
+        t = interleaved_timings({"mm": lambda x=x, mm=mm: mm(x, w), "rd": lambda: probe(w)}, reps, warmup=0)
+        mm_s, rd_s = t["mm"].median_s, t["rd"].median_s
         row[f"m{m}"] = {
             "matmul_ms": 1e3 * mm_s,
             "read_gbps": nbytes / rd_s / 1e9,
@@ -83,9 +69,9 @@ def bench_heads(h: int, n: int, k: int, reps: int, sets: int = 16) -> dict:
     row = {"shape": [h, n, k], "weight_bytes": nbytes}
     for b in (1, 4):
         x = jnp.asarray(rng.standard_normal((b, h, k)), jnp.float32)
-        hot_s = _median_s(lambda x=x: f(x, ws[0]), 20 * reps)
+        hot_s = median_time(lambda x=x: f(x, ws[0]), 20 * reps).median_s  # warm-up compiles
         it = iter(range(10**9))
-        cold_s = _median_s(lambda x=x, it=it: f(x, ws[next(it) % sets]), 20 * reps)
+        cold_s = median_time(lambda x=x, it=it: f(x, ws[next(it) % sets]), 20 * reps).median_s
         row[f"b{b}"] = {"hot_us": 1e6 * hot_s, "cold_us": 1e6 * cold_s, "cold_gbps": nbytes / cold_s / 1e9}
         r = row[f"b{b}"]
         print(

@@ -30,7 +30,7 @@ import json
 import time
 from pathlib import Path
 
-from hmoe_jax.cli_calibrate import _median_s as timed  # median of timed runs after one warm-up
+from hmoe_jax.measure.timing import median_time  # median of timed runs after one warm-up
 
 
 def link_rates(sizes_mib: list[int], reps: int) -> dict:
@@ -44,12 +44,12 @@ def link_rates(sizes_mib: list[int], reps: int) -> dict:
         try:
             src = jax.device_put(host, jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host"))
             to_dev = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
-            h2d = timed(lambda src=src, to_dev=to_dev: jax.device_put(src, to_dev), reps)
+            h2d = median_time(lambda src=src, to_dev=to_dev: jax.device_put(src, to_dev), reps).median_s
         except (ValueError, RuntimeError, NotImplementedError):  # no pinned host memory here
             out["pinned"] = False
-            h2d = timed(lambda host=host: jax.device_put(host, dev), reps)
+            h2d = median_time(lambda host=host: jax.device_put(host, dev), reps).median_s
         on_dev = jax.device_put(host, dev)
-        d2h = timed(lambda on_dev=on_dev: np.asarray(on_dev), reps)
+        d2h = median_time(lambda on_dev=on_dev: np.asarray(on_dev), reps).median_s
         out["h2d_gbps"][mib] = host.nbytes / h2d / 1e9
         out["d2h_gbps"][mib] = host.nbytes / d2h / 1e9
     return out
@@ -66,7 +66,7 @@ def gemm_tflops(n: int, reps: int) -> dict:
         b = jax.random.normal(key, (n, n), jnp.float32).astype(dt)
         f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
         try:
-            s = timed(lambda f=f, a=a, b=b: f(a, b), reps)
+            s = median_time(lambda f=f, a=a, b=b: f(a, b), reps).median_s
             out[name] = 2 * n**3 / s / 1e12
         except Exception as e:  # noqa: BLE001 (a backend without that dot: say so)
             out[name] = None
@@ -80,7 +80,7 @@ def mem_gbps(nbytes: int, reps: int) -> float:
 
     x = jnp.ones((nbytes // 2,), jnp.bfloat16)
     f = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
-    return nbytes / timed(lambda: f(x), reps) / 1e9
+    return nbytes / median_time(lambda: f(x), reps).median_s / 1e9
 
 
 def attention_rate(tokens: int, reps: int, smoke: bool) -> dict:
@@ -89,10 +89,10 @@ def attention_rate(tokens: int, reps: int, smoke: bool) -> dict:
     import numpy as np
 
     from hmoe_jax.config import named_model_config
+    from hmoe_jax.measure.compile_probe import abstract_mla
     from hmoe_jax.model import attention as A
     from hmoe_jax.model.precision import BF16
     from hmoe_jax.plan import costs
-    from hmoe_jax.runtime.compile_probe import abstract_mla
 
     cfg = named_model_config("deepseek_v3_tiny" if smoke else "deepseek_v3")
     rng = np.random.default_rng(0)
@@ -106,7 +106,7 @@ def attention_rate(tokens: int, reps: int, smoke: bool) -> dict:
     lat = jnp.zeros((1, tokens, cfg.kv_lora_rank), jnp.bfloat16)
     rope = jnp.zeros((1, tokens, cfg.qk_rope_head_dim), jnp.bfloat16)
     f = jax.jit(lambda p, x, lat, rope: A.prefill_attention(p, cfg, x, lat, rope, 0, 0, prec=BF16))
-    s = timed(lambda: f(p, x, lat, rope), reps)
+    s = median_time(lambda: f(p, x, lat, rope), reps).median_s
     flops = costs.attn_flops(cfg, tokens, 0)
     name = "deepseek_v3_tiny" if smoke else "deepseek_v3"
     return {"tokens": tokens, "model": name, "seconds": s, "tflops": flops / s / 1e12}
@@ -118,11 +118,11 @@ def op_overhead_s(reps: int) -> float:
 
     x = jnp.ones((8,), jnp.float32)
     f = jax.jit(lambda x: x + 1)
-    return timed(lambda: f(x), max(reps, 50))
+    return median_time(lambda: f(x), max(reps, 50)).median_s
 
 
 def write(base_path: str, out: Path, m: dict) -> None:
-    from hmoe_jax.sim.profile import load_profile
+    from hmoe_jax.plan.profile import load_profile
 
     base = load_profile(base_path)
     day = m["date_utc"]

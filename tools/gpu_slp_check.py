@@ -38,7 +38,12 @@ def main() -> None:
     params = fp8_twin_params(cfg)
     build_s = time.perf_counter() - t0
     eng = Engine(
-        params, cfg, system=load_system("rtx5090_x1"), precision="bf16", max_batch=1, max_len=args.tokens + 64
+        params,
+        cfg,
+        system=load_system("paper_epyc9355_rtx5090", 1),
+        precision="bf16",
+        max_batch=1,
+        max_len=args.tokens + 64,
     )
     ids = np.random.default_rng(0).integers(2, cfg.vocab_size, args.tokens).astype(np.int32)
     cache = eng.new_cache(args.tokens + 64)

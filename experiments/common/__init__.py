@@ -9,11 +9,13 @@
 the LAST stdout line (compact JSON).
 """
 
-from experiments.common.membw import measure_read_bw
 from experiments.common.models import larger_moe_config
 from experiments.common.record import emit_record, environment, parse_args, print_ceiling
-from experiments.common.timing import TimingStats, interleaved_timings, median_time
 from experiments.common.weights import RotatingSet
+
+# the project's one timing helper and read probe (hmoe_jax/measure/), shared with hmoe calibrate
+from hmoe_jax.measure.probes import measure_read_bw
+from hmoe_jax.measure.timing import TimingStats, interleaved_timings, median_time
 
 __all__ = [
     "RotatingSet",

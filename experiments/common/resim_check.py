@@ -33,7 +33,7 @@ def _bench_cfg(quick: bool):
 
 def _resim_e03(rec: dict[str, Any]) -> tuple[list[dict], dict]:
     from experiments import e03_decode as e03
-    from hmoe_jax.sim.profile import load_profile
+    from hmoe_jax.plan.profile import load_profile
 
     quick = rec["config"]["quick"]
     cfg = _bench_cfg(quick)
@@ -44,7 +44,7 @@ def _resim_e03(rec: dict[str, Any]) -> tuple[list[dict], dict]:
 
 def _resim_e04(rec: dict[str, Any]) -> tuple[list[dict], dict]:
     from experiments import e04_slp_prefill as e04
-    from hmoe_jax.sim.profile import load_profile
+    from hmoe_jax.plan.profile import load_profile
 
     quick = rec["config"]["quick"]
     cfg = _bench_cfg(quick)

@@ -237,8 +237,8 @@ def window_tpot(decodes, t0: float, t1: float) -> float | None:
 def project(quick: bool) -> tuple[list[dict], dict, dict]:
     """(rows, summary, inputs) of the projection: DeepSeek-V3 FP8 on the paper's machine."""
     from hmoe_jax.config import named_model_config
+    from hmoe_jax.plan.profile import load_profile
     from hmoe_jax.policies.base import overlap_bound
-    from hmoe_jax.sim.profile import load_profile
     from hmoe_jax.sim.serve import SimRequest, SimServer, decode_arms, decode_step_s
 
     cfg = named_model_config("deepseek_v3")

@@ -3,7 +3,7 @@ through hmoe_jax/sim/, side by side.
 
 The profile is configs/systems/local.toml (written by `hmoe calibrate`); the one input
 re-measured in the run is the host read rate (this VM's moves 2x within minutes): a read
-probe right before each timed engine call, and the profile re-based on the median of the
+probe (hmoe_jax/measure/probes.ReadProbe) right before each timed engine call, and the profile re-based on the median of the
 probes of the rows it predicts (Profile.with_read_gbps). The kernels' efficiencies, rates
 and overheads stay as calibrated. No input is fitted to an engine time.
 """
@@ -16,41 +16,13 @@ from typing import Any
 
 import numpy as np
 
-GIB = 1 << 30
-
-
-class Probe:
-    """hmoe_read_bytes over 1 GiB; gbps() reads once and returns GB/s."""
-
-    def __init__(self) -> None:
-        from hmoe_jax.kernels.gemm import device_put_zero_copy
-        from hmoe_jax.quant.hostmem import aligned_empty
-
-        buf = aligned_empty((GIB,), np.uint8)
-        buf[:] = 1
-        self.arr = device_put_zero_copy(buf)
-
-    def gbps(self) -> float:
-        import jax
-
-        from hmoe_jax.kernels.gemm import read_bytes
-
-        t = time.perf_counter()
-        jax.block_until_ready(read_bytes(self.arr))
-        return GIB / (time.perf_counter() - t) / 1e9
-
-    def tflops(self) -> float:
-        """The bf16 dot-product peak right now (hmoe_bf16_dot_peak, ~60 ms): how much of the
-        cores the neighbours leave."""
-        from hmoe_jax.kernels.moe import bf16_dot_peak_flops
-
-        return bf16_dot_peak_flops(iters=2_000_000, repeats=1) / 1e12
+from hmoe_jax.measure.probes import ReadProbe
 
 
 def local_profile(
     read_gbps: float | None = None, link_gbps: float | None = None, peak_tflops: float | None = None
 ):
-    from hmoe_jax.sim.profile import load_profile
+    from hmoe_jax.plan.profile import load_profile
 
     prof = load_profile("local")
     if read_gbps is not None:
@@ -99,7 +71,7 @@ def bench_engine(quick: bool, max_len: int, max_batch: int, link_gbps: float | N
 
 
 def measure_decode(
-    eng, batches: list[int], steps: int, prompt_len: int, probe: Probe, seed: int = 1
+    eng, batches: list[int], steps: int, prompt_len: int, probe: ReadProbe, seed: int = 1
 ) -> list[dict]:
     """Median decode step per batch size, a read probe before each step, batch sizes and the
     two executor modes interleaved: "serial" (each op dispatched, then waited for: the
@@ -160,7 +132,7 @@ def measure_decode(
 
 
 def measure_prefill(
-    eng, schedule: str, lengths: list[int], reps: int, probe: Probe, seed: int = 2
+    eng, schedule: str, lengths: list[int], reps: int, probe: ReadProbe, seed: int = 2
 ) -> list[dict]:
     """Median prefill wall time per prompt length (the engine's pipelined executor)."""
     rng = np.random.default_rng(seed)

@@ -1,25 +1,37 @@
-"""What a schedule needs to know about the machine: link and accelerator rates, memory,
-and the auto-policy thresholds. Read from configs/systems/<name>.json, strictly like model
-configs: an unknown key is a ConfigError naming it (a typo must not fall back to a
-default), "comment" is the one documentation key, and every value is checked (type, > 0).
+"""What a schedule needs to know about the machine: the host link and accelerator rates,
+the accelerator's memory, and the auto-policy and ring thresholds. It is a view of a
+hardware profile (plan/profile.py, configs/systems/<name>.toml), the one machine
+description: `load_system(NAME, devices)` is the profile NAME using `devices` of its
+accelerators, so `hmoe plan`, `hmoe simulate`, `hmoe generate/serve` and the engine read
+the same numbers from the same file.
 
-Accelerator compute is priced per dtype (acc_fp32/bf16/fp8_tflops: dense tensor rates of
-one accelerator) so a cost model charges the dtype that actually runs."""
+Accelerator compute is priced per dtype (acc_fp32/bf16/fp8_tflops: dense tensor peaks of
+one accelerator) so a cost model charges the dtype that actually runs. The defaults are
+the paper's box with one RTX 5090 (configs/systems/paper_epyc9355_rtx5090.toml with one
+accelerator; tests/test_plan_system.py holds them equal)."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-from pathlib import Path
-from typing import Any
 
-from hmoe_jax.config import ConfigError, configs_dir
+from hmoe_jax.plan.profile import Profile, check_value, load_profile
+
+# field type -> rule of plan.profile.check_value (the profile's own rules), so a value
+# built in code is checked exactly like one read from a file
+_RULES = {str: "str", int: "count", float: "pos"}
+_TYPES = {"str": str, "int": int, "float": float}  # annotation text -> type
+# the profile's [schedule] keys, the same names as the fields below
+_SCHEDULE_KEYS = (
+    "auto_slp_min_tokens",
+    "auto_dslp_min_tokens",
+    "cpu_prefill_chunk_tokens",
+    "slp_experts_per_slot",
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class SystemSpec:
-    name: str = "local"
+    name: str = "paper_epyc9355_rtx5090"
     num_accelerators: int = 1
     h2d_gbps: float = 56.0  # host -> accelerator copy rate (PCIe 5.0 x16 measured, PAPER.md)
     # one accelerator's dense throughput per dtype (RTX 5090 public specs; FP8 with f32
@@ -27,9 +39,7 @@ class SystemSpec:
     acc_fp32_tflops: float = 105.0
     acc_bf16_tflops: float = 209.0
     acc_fp8_tflops: float = 419.0
-    acc_mem_gbps: float = 1792.0  # GDDR7
     acc_mem_bytes: int = 32 * 2**30
-    cpu_mem_gbps: float = 1228.0  # host DRAM bandwidth (decode experts are bound by it)
     # auto policy (PAPER.md: below ~4K tokens SLP does not help)
     auto_slp_min_tokens: int = 4096
     auto_dslp_min_tokens: int = 4096  # with >= 2 accelerators and no decode active
@@ -37,48 +47,32 @@ class SystemSpec:
     slp_experts_per_slot: int = 1
 
     def __post_init__(self) -> None:
-        for key in _FIELDS:  # validated here too, so SystemSpec(...) in code is checked
-            object.__setattr__(self, key, _check_value(key, getattr(self, key), "SystemSpec"))
+        for f in dataclasses.fields(self):
+            want = _TYPES[str(f.type)]
+            v = check_value(f"SystemSpec: key {f.name!r}", want, _RULES[want], getattr(self, f.name))
+            object.__setattr__(self, f.name, v)
+
+    @classmethod
+    def from_profile(cls, profile: Profile) -> SystemSpec:
+        """The plan knobs of a profile's box (with as many accelerators as it has): what the
+        engine's schedules plan with there, and what the simulator times."""
+        acc, link, sch = (profile.values[k] for k in ("accelerator", "link", "schedule"))
+        return cls(
+            name=profile.name,
+            num_accelerators=int(acc["count"]),
+            h2d_gbps=float(link["h2d_gbps"]),
+            acc_fp32_tflops=float(acc["fp32_tflops"]),
+            acc_bf16_tflops=float(acc["bf16_tflops"]),
+            acc_fp8_tflops=float(acc["fp8_tflops"]),
+            acc_mem_bytes=int(acc["mem_bytes"]),
+            **{k: int(sch[k]) for k in _SCHEDULE_KEYS},
+        )
 
 
-_TYPES = {"str": str, "int": int, "float": float}
-_FIELDS = {f.name: _TYPES[str(f.type)] for f in dataclasses.fields(SystemSpec)}  # key -> type
-_DOC_KEYS = frozenset({"comment"})  # documentation only: accepted, not stored
-_RULES = {str: "a non-empty string", int: "an int >= 1", float: "a finite number > 0"}
-
-
-def _check_value(key: str, v: Any, where: str) -> Any:
-    """v as the field's type; ConfigError naming the key if it is the wrong type or <= 0."""
-    want = _FIELDS[key]
-    if want is str:
-        ok = isinstance(v, str) and v != ""
-    elif want is int:  # a bool is a Python int, never a count here; 2.0 is not an int either
-        ok = isinstance(v, int) and not isinstance(v, bool) and v >= 1
-    else:  # a JSON integer is a fine rate ("h2d_gbps": 25)
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
-    if not ok:
-        raise ConfigError(f"{where}: key {key!r} must be {_RULES[want]}, got {v!r}")
-    return want(v)
-
-
-def system_from_dict(d: dict[str, Any], where: str = "system") -> SystemSpec:
-    unknown = set(d) - set(_FIELDS) - _DOC_KEYS
-    if unknown:
-        raise ConfigError(f"{where}: unknown system key(s) {sorted(unknown)}; known: {sorted(_FIELDS)}")
-    return SystemSpec(**{k: _check_value(k, v, where) for k, v in d.items() if k in _FIELDS})
-
-
-def load_system(name_or_path: str) -> SystemSpec:
-    """A system by name from configs/systems/, or a path to a JSON file."""
-    p = Path(name_or_path)
-    if not p.suffix:
-        p = configs_dir() / "systems" / f"{name_or_path}.json"
-    if not p.exists():
-        known = sorted(q.stem for q in (configs_dir() / "systems").glob("*.json"))
-        raise ConfigError(f"system config {name_or_path!r} not found at {p}; known: {known}")
-    try:
-        raw = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{p}: not valid JSON ({e})") from None
-    raw.setdefault("name", p.stem)
-    return system_from_dict(raw, where=str(p))
+def load_system(name_or_path: str, devices: int | None = None) -> SystemSpec:
+    """The SystemSpec of profile NAME (configs/systems/NAME.toml, or a path to a .toml),
+    using its first `devices` accelerators (None: all it has). A ConfigError lists the
+    known profiles when NAME is not one, and names the count when the box has fewer
+    accelerators than asked for (a stand-in box, placement "host", has any number)."""
+    prof = load_profile(name_or_path)
+    return SystemSpec.from_profile(prof if devices is None else prof.with_accelerators(devices))

@@ -105,7 +105,7 @@ def build_state(args: argparse.Namespace, run: Any) -> tuple[ServerState, Callab
         from hmoe_jax.serve.scheduler import Scheduler
 
         devices = args.devices or 1
-        system = load_system(args.system) if args.system else SystemSpec(num_accelerators=devices)
+        system = load_system(args.system, devices) if args.system else SystemSpec(num_accelerators=devices)
         eng = Engine(
             run.host_params, run.cfg, devices=devices, system=system, expert_fn=args.expert_fn, **engine_opts
         )

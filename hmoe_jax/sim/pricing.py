@@ -1,7 +1,7 @@
 """What one plan op asks of the machine: its phases, each a fixed overhead and the seconds it
 would take alone on each physical resource (sim/events.py shares them).
 
-Physical resources of a profile (sim/profile.py):
+Physical resources of a profile (plan/profile.py):
   dram<n>, cpu<n>   host DRAM read bandwidth and the host cores' compute, per NUMA node
   xbw<n>            the CPU expert kernel's own read rate on node n (DRAM x expert efficiency):
                     alone an expert op reads at that rate; beside other DRAM users it also
@@ -58,8 +58,8 @@ from typing import Any
 from hmoe_jax.config import ModelConfig
 from hmoe_jax.plan import costs
 from hmoe_jax.plan.format import Op, Plan
+from hmoe_jax.plan.profile import Profile
 from hmoe_jax.sim.events import Phase, SimError
-from hmoe_jax.sim.profile import Profile
 
 ACC_PIECES = frozenset(
     {

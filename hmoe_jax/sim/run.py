@@ -2,7 +2,7 @@
 what bound it.
 
 The plan is built by the same schedule code the engine calls (schedules/registry.py) with
-the SystemSpec the profile implies (Profile.system_spec), so what is timed is what the
+the SystemSpec the profile implies (SystemSpec.from_profile), so what is timed is what the
 engine would run on that box; sim/reads.py adds the bytes each compute op reads, and
 sim/pricing.py + sim/events.py time it. Nothing here imports jax.
 
@@ -22,10 +22,11 @@ from typing import Any
 from hmoe_jax.config import ModelConfig
 from hmoe_jax.plan import costs
 from hmoe_jax.plan.format import Plan
+from hmoe_jax.plan.profile import Profile
+from hmoe_jax.plan.system import SystemSpec
 from hmoe_jax.schedules.registry import get_schedule
 from hmoe_jax.sim.events import Simulator
 from hmoe_jax.sim.pricing import pricer
-from hmoe_jax.sim.profile import Profile
 from hmoe_jax.sim.reads import with_reads
 
 
@@ -67,7 +68,7 @@ def build_plan(
     budget), (the same schedule's plan on a box with unlimited accelerator memory, the
     budget's message): a projection then says it does not fit instead of failing, and the
     timing is that of the plan as if it fitted (for slp the ring then holds a full layer)."""
-    system = profile.system_spec()
+    system = SystemSpec.from_profile(profile)
     devices = profile.accelerators
     if schedule == "auto":
         schedule = get_schedule("auto").choose(system, num_tokens, devices, start_pos)

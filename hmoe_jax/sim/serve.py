@@ -42,12 +42,12 @@ from typing import Any
 from hmoe_jax.config import ModelConfig
 from hmoe_jax.plan import costs
 from hmoe_jax.plan.format import Plan
+from hmoe_jax.plan.profile import Profile
 from hmoe_jax.plan.trace import attention_moe_split
 from hmoe_jax.policies.base import Chunk, Decode, Pending, Policy, Prefill, View
 from hmoe_jax.policies.registry import DEFAULT_POLICY, get_policy
 from hmoe_jax.sim.events import SimError, Simulator
 from hmoe_jax.sim.pricing import pricer
-from hmoe_jax.sim.profile import Profile
 from hmoe_jax.sim.reads import with_reads
 from hmoe_jax.sim.run import build_plan
 

@@ -42,7 +42,7 @@ def add_simulate_parser(sub: Any) -> None:
 
 
 def simulate_record(args: argparse.Namespace) -> dict[str, Any]:
-    from hmoe_jax.sim.profile import load_profile
+    from hmoe_jax.plan.profile import load_profile
     from hmoe_jax.sim.run import simulate_request
 
     if args.prompt_len < 1 or args.batch < 1 or args.decode_tokens < 0:

@@ -1,7 +1,11 @@
-"""Hardware profiles for the simulator: configs/systems/<name>.toml, every value with its
-provenance. Strict like model and system configs: an unknown section or key is a ConfigError
-naming it and listing the known ones, a value without a source is an error, and every value
-is type- and range-checked.
+"""Hardware profiles: configs/systems/<name>.toml, the one machine description, every value
+with its provenance. The simulator prices plans with the rates (hmoe_jax/sim/); the engine,
+`hmoe plan` and `hmoe generate/serve --system` plan with the [schedule] thresholds and the
+accelerator's and link's numbers through plan/system.SystemSpec.from_profile. Strict like
+model configs: an unknown section or key is a ConfigError naming it and listing the known
+ones, a value without a source is an error, every value is type- and range-checked, and an
+unknown profile name lists the known ones. This is the one validator of machine numbers:
+SystemSpec built in code is checked by check_value too.
 
     format = "hmoe-sim-profile/1"
     name = "paper_epyc9355_rtx5090"
@@ -18,6 +22,8 @@ can say which inputs were not measured). No number may be chosen to make a headl
 
 Effective rates are peak x efficiency (both sourced): the simulator prices an op at
 bytes / effective bandwidth and flops / effective rate of the resource that runs it.
+Plain data (tomllib, no jax): it sits in plan/, below the schedules, the engine and the
+simulator, which all read it.
 """
 
 from __future__ import annotations
@@ -29,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 from hmoe_jax.config import ConfigError, configs_dir
-from hmoe_jax.plan.system import SystemSpec
 
 PROFILE_FORMAT = "hmoe-sim-profile/1"
 SOURCE_KINDS = ("spec", "measured", "published", "derived", "paper", "assumed")
@@ -107,7 +112,9 @@ SCHEMA: dict[str, dict[str, _R]] = {
         # absent: 0
         "step_s": (float, False, "nonneg"),
     },
-    "schedule": {  # the plan knobs of plan.system.SystemSpec (what the engine's plans use)
+    # the plan knobs of plan.system.SystemSpec (what the engine's schedules read: the auto
+    # policy's thresholds, the cpu schedule's chunk, the slp ring's experts per slot)
+    "schedule": {
         "auto_slp_min_tokens": (int, True, "count"),
         "auto_dslp_min_tokens": (int, True, "count"),
         "cpu_prefill_chunk_tokens": (int, True, "count"),
@@ -229,28 +236,9 @@ class Profile:
                 src[s][k] = f"{why}; x{scale:.3f} (compute probe over the calibrated peak)"
         return dataclasses.replace(prof, values=values, src=src)
 
-    def system_spec(self) -> SystemSpec:
-        """The SystemSpec the engine's schedules plan with on this box (derived, so the plan
-        the simulator times is the plan the engine would build there)."""
-        cpu, acc, link, sch = (self.values[k] for k in ("cpu", "accelerator", "link", "schedule"))
-        return SystemSpec(
-            name=self.name,
-            num_accelerators=int(acc["count"]),
-            h2d_gbps=float(link["h2d_gbps"]),
-            acc_fp32_tflops=float(acc["fp32_tflops"]),
-            acc_bf16_tflops=float(acc["bf16_tflops"]),
-            acc_fp8_tflops=float(acc["fp8_tflops"]),
-            acc_mem_gbps=float(acc["mem_gbps"]),
-            acc_mem_bytes=int(acc["mem_bytes"]),
-            cpu_mem_gbps=float(cpu["dram_gbps_per_node"]) * int(cpu["numa_nodes"]),
-            auto_slp_min_tokens=int(sch["auto_slp_min_tokens"]),
-            auto_dslp_min_tokens=int(sch["auto_dslp_min_tokens"]),
-            cpu_prefill_chunk_tokens=int(sch["cpu_prefill_chunk_tokens"]),
-            slp_experts_per_slot=int(sch["slp_experts_per_slot"]),
-        )
 
-
-def _check(where: str, want: type, rule: Any, v: Any) -> Any:
+def check_value(where: str, want: type, rule: Any, v: Any) -> Any:
+    """v as type `want` if it passes `rule` (SCHEMA's rules), else a ConfigError naming `where`."""
     if want is str:
         ok = isinstance(v, str) and v != "" and (not isinstance(rule, tuple) or v in rule)
         need = f"one of {list(rule)}" if isinstance(rule, tuple) else "a non-empty string"
@@ -308,7 +296,7 @@ def profile_from_dict(d: dict[str, Any], where: str = "profile") -> Profile:
             leaf = got[key]
             if not isinstance(leaf, dict) or set(leaf) != {"value", "src"}:
                 raise ConfigError(f'{at}: must be {{ value = ..., src = "<kind>: ..." }}, got {leaf!r}')
-            values[section][key] = _check(at, want, rule, leaf["value"])
+            values[section][key] = check_value(at, want, rule, leaf["value"])
             srcs[section][key] = _check_src(at, leaf["src"])
     link = values["link"]
     if link["interconnect"] == "p2p" and "p2p_gbps" not in link:
@@ -331,9 +319,7 @@ def load_profile(name_or_path: str) -> Profile:
         p = profiles_dir() / f"{name_or_path}.toml"
     if not p.exists():
         hint = " (run `hmoe calibrate` to measure this machine and write it)" if p.stem == "local" else ""
-        raise ConfigError(
-            f"simulator profile {name_or_path!r} not found at {p}{hint}; known: {profile_names()}"
-        )
+        raise ConfigError(f"system profile {name_or_path!r} not found at {p}{hint}; known: {profile_names()}")
     try:
         raw = tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as e:

@@ -1,11 +1,16 @@
 """`hmoe plan`: a plan's accelerator memory and time budget for a model config, a system and
-a prompt length, without weights (plan/memory.py, plan/simulate.py).
+a prompt length, without weights (plan/memory.py; the time by the simulator, sim/run.py).
 
-  hmoe plan --model deepseek_v3 --system rtx5090_x1 --schedule slp --prompt-len 32768 --json
+  hmoe plan --model deepseek_v3 --system paper_epyc9355_rtx5090 --devices 1 --schedule slp \
+      --prompt-len 32768 --json
+
+--system names a hardware profile, configs/systems/<NAME>.toml (the files `hmoe simulate`
+and `hmoe generate --system` read) or a path to one; --devices picks that many of its
+accelerators (default: all it has).
 
 With --measure (the default) the accelerator pieces the schedule runs are compiled (not
 run) at the real shapes with ShapeDtypeStruct operands on this machine's JAX backend
-(runtime/compile_probe.py) and their memory_analysis() temporaries replace the estimates;
+(measure/compile_probe.py) and their memory_analysis() temporaries replace the estimates;
 on a machine without a GPU that is XLA:CPU, which fuses differently from XLA:GPU and
 upcasts bf16 dot operands to f32 (so its temporaries are an upper bound there). dslp's
 per-rank pieces (shard_map over N devices) are not compiled: estimated only. Exit status
@@ -36,7 +41,7 @@ def add_plan_parser(sub: Any) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="configs/models/<NAME>.json, e.g. deepseek_v3")
     src.add_argument("--config", help="a config.json (or a checkpoint directory holding one)")
-    p.add_argument("--system", required=True, help="configs/systems/<NAME>.json or a path")
+    p.add_argument("--system", required=True, help="configs/systems/<NAME>.toml profile or a path")
     p.add_argument("--schedule", choices=["slp", "dslp", "cpu", "auto"], required=True)
     p.add_argument("--prompt-len", type=int, required=True, help="prompt tokens (one sequence)")
     p.add_argument("--kv-rows", type=int, default=1, help="KV pool rows (sequences) on the accelerator (1)")
@@ -53,7 +58,7 @@ def add_plan_parser(sub: Any) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="accelerators (default: the system's)",
+        help="accelerators of the box to use (default: all the profile has)",
     )
     p.add_argument(
         "--measure",
@@ -82,7 +87,7 @@ def _measured(
     """(piece_temps for the schedule, pieces record) from compiling the pieces."""
     import jax
 
-    from hmoe_jax.runtime import compile_probe as C
+    from hmoe_jax.measure import compile_probe as C
 
     if name == "dslp":
         try:  # stand-in CPU devices for the mesh; only possible before jax's backend starts
@@ -103,20 +108,24 @@ def _measured(
 def plan_record(args: argparse.Namespace) -> dict[str, Any]:
     from hmoe_jax.plan import costs
     from hmoe_jax.plan.memory import gpu_mem_fraction
-    from hmoe_jax.plan.simulate import simulate
-    from hmoe_jax.plan.system import load_system
+    from hmoe_jax.plan.profile import load_profile
+    from hmoe_jax.plan.system import SystemSpec
     from hmoe_jax.schedules.base import ScheduleError
     from hmoe_jax.schedules.registry import get_schedule
+    from hmoe_jax.sim.run import time_plan
 
     cfg, model = _model(args)
-    system = load_system(args.system)
+    prof = load_profile(args.system)
+    if args.plan_devices is not None:
+        prof = prof.with_accelerators(args.plan_devices)
+    system = SystemSpec.from_profile(prof)
     t = int(args.prompt_len)
     if t < 1 or args.kv_rows < 1:
         raise InputError(f"--prompt-len and --kv-rows must be >= 1, got {t} and {args.kv_rows}")
     max_len = default_max_len(cfg, t) if args.max_len is None else int(args.max_len)
     if max_len < t:
         raise InputError(f"--max-len {max_len} must be >= --prompt-len {t}")
-    devices = args.plan_devices or system.num_accelerators
+    devices = system.num_accelerators
     name = args.schedule
     if name == "auto":
         name = get_schedule("auto").choose(system, t, devices)
@@ -144,10 +153,14 @@ def plan_record(args: argparse.Namespace) -> dict[str, Any]:
             f"{name}: a {max_len}-token row exceeds the model's max_position_embeddings="
             f"{cfg.max_position_embeddings}; memory: {budget.message}"
         )
-    rec.update(est_prefill_s=None, bound=None, est_layer_copy_s=None, est_layer_compute_s=None)
+    rec.update(
+        est_prefill_s=None, binding_share=None, bound=None, est_layer_copy_s=None, est_layer_compute_s=None
+    )
     if budget.fits:
         plan = sched.plan(cfg, system, t, devices=n)
-        rec["est_prefill_s"] = round(simulate(plan, system)["total_s"], 4)
+        timed = time_plan(plan, cfg, prof)  # the simulator: the one timing model
+        rec["est_prefill_s"] = round(timed.total_s, 4)
+        rec["binding_share"] = timed.summary()["binding_share"]
         rec["compute_dtype"] = plan.meta.get("compute_dtype")
         for k in ("bound", "est_layer_copy_s", "est_layer_compute_s"):
             rec[k] = plan.meta.get(k)

@@ -1,0 +1,96 @@
+"""hmoe_jax/measure/timing.py, the one timing helper (calibrate, experiments, tools), on a
+scripted clock: each call advances a fake perf_counter by a known duration, so the expected
+medians are written down here, not measured."""
+
+from __future__ import annotations
+
+import pytest
+
+from hmoe_jax.measure import timing
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now_s = 0.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+    def call(self, durations_s: list[float]):
+        """A function whose k-th call takes durations_s[k] seconds of the fake clock."""
+        it = iter(durations_s)
+
+        def fn():
+            self.now_s += next(it)
+
+        return fn
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    c = Clock()
+    monkeypatch.setattr(timing.time, "perf_counter", c)
+    monkeypatch.setattr(timing.time, "process_time", c)
+    return c
+
+
+def test_median_time_skips_warmup_and_between(clock):
+    # warm-up call takes 100 s (compilation): not a sample; the probe before each timed call
+    # takes 50 s: not timed either
+    fn = clock.call([100.0, 5.0, 1.0, 3.0])
+    probes = []
+
+    def probe():
+        probes.append(1)
+        clock.now_s += 50.0
+
+    st = timing.median_time(fn, repeats=3, warmup=1, between=probe)
+    assert (st.median_s, st.best_s, st.worst_s, st.n) == (3.0, 1.0, 5.0, 3)
+    assert len(probes) == 3
+
+
+def test_interleaved_timings_round_robin_per_call(clock):
+    order = []
+
+    def variant(name, durations_s):
+        f = clock.call(durations_s)
+
+        def g():
+            order.append(name)
+            f()
+
+        return g
+
+    # 2 calls per sample: a sample is the mean of two back-to-back calls
+    out = timing.interleaved_timings(
+        {"a": variant("a", [9.0, 9.0, 2.0, 4.0, 6.0, 8.0]), "b": variant("b", [9.0, 1.0, 3.0])},
+        rounds=2,
+        warmup=1,
+        calls_per_sample={"a": 2, "b": 1},
+    )
+    assert order == ["a", "a", "b"] * 3  # warm-ups, then each round: a's two calls, b's one
+    assert out["a"].median_s == pytest.approx((3.0 + 7.0) / 2) and out["a"].n == 2
+    assert out["b"].median_s == pytest.approx(2.0) and out["b"].cpu_median_s == pytest.approx(2.0)
+
+
+def test_side_by_side_probes_each_round(clock):
+    class Probe:
+        def __init__(self) -> None:
+            self.rates = iter([10.0, 30.0, 20.0])
+
+        def gbps(self) -> float:
+            clock.now_s += 7.0  # probes are not timed
+            return next(self.rates)
+
+        def tflops(self) -> None:
+            clock.now_s += 7.0
+
+    # 2 warm-up calls, then 3 rounds of 2 calls: per-call means 1.5, 3.5, 2.5
+    fn = clock.call([50.0, 50.0, 1.0, 2.0, 3.0, 4.0, 2.0, 3.0])
+    t_s, gbps = timing.side_by_side(Probe(), fn, calls=2, rounds=3)
+    assert (t_s, gbps) == (2.5, 20.0)
+
+
+def test_no_samples_is_an_error():
+    with pytest.raises(ValueError, match="no samples"):
+        timing.median_time(lambda: None, repeats=0)
