@@ -91,7 +91,7 @@ def build_model(quick: bool):
         ckpt = ensure_default_checkpoint(progress=False)
         cfg, params = load_checkpoint(ckpt, progress=False)
         return cfg, params, ckpt, "embedded tiny default (synthetic FP8)"
-    from experiments.e22_batched_decode import bench_twin_config, fp8_twin_params
+    from hmoe_jax.io.bench_twin import bench_twin_config, fp8_twin_params
 
     cfg = bench_twin_config()
     root = Path(cache_root()) / "e06_bench_twin_arena"

@@ -184,7 +184,7 @@ def resimulate(record_path: str) -> tuple[dict, list[dict], dict]:
     measured rows (replay logs, probes): (config, rows, summary) for a new record that says
     which measured record it re-simulates (its "quick" says the record's size). Measured
     numbers are copied, never re-derived."""
-    from experiments.e22_batched_decode import bench_twin_config
+    from hmoe_jax.io.bench_twin import bench_twin_config
 
     rec = json.loads(Path(record_path).read_text())
     cfg_rec = rec["config"]
