@@ -18,7 +18,7 @@ from hmoe_jax.model.sampling import SamplingParams
 from hmoe_jax.plan.trace import TraceRecorder
 from hmoe_jax.policies.base import overlap_bound
 from hmoe_jax.runtime.synthetic import random_params
-from tests.test_schedules_invariant import reference_engine
+from tests.helpers import reference_engine
 
 LENGTHS = [5, 9, 7, 12]
 NEW = 5
