@@ -54,7 +54,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments.common.record import emit_record, parse_args, print_ceiling
-from experiments.common.simserve import replay_log, window_tpot
+from hmoe_jax.sim.replay import replay_log, window_tpot
 
 PAPER = {
     "batch2_throughput_gain": 1.56,
