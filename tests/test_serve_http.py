@@ -444,8 +444,9 @@ def test_overload_gets_429_at_once_and_loses_no_accepted_request(server):
     assert m['hmoe:requests_rejected_total{model_name="hmoe-test",status="429"}'] >= s["rejected"]
 
 
+@pytest.mark.timing
 def test_bench_means_agree_with_server_metrics(byte_server, tmp_path):
-    """`hmoe bench serve` against the real server: its mean TTFT / TPOT equal the server's
+    """Wall-clock (the `timing` lane). `hmoe bench serve` against the real server: its mean TTFT / TPOT equal the server's
     own (/metrics histogram sum / count over the run) within 5%. Long prompts (1000 tokens,
     TTFT ~0.3-0.5 s here), so the client's own few ms per request (connection, JSON, a busy
     2-core host) stay small beside what is measured."""

@@ -142,8 +142,10 @@ def test_dual_auto_follows_the_simulated_arms():
     assert picked == want
 
 
-def test_tiny_model_scheduler_replayed_within_a_loose_factor():
-    """The real Scheduler (fcfs and the paper policy, 2 stand-ins) serves a decode and a
+@pytest.mark.timing
+def test_tiny_model_scheduler_replayed_within_a_loose_factor(calibrated_profile):
+    """Wall-clock (the `timing` lane, on this machine's profile calibrated in the run: the
+    `calibrated_profile` fixture of tests/conftest.py). The real Scheduler (fcfs and the paper policy, 2 stand-ins) serves a decode and a
     prompt; the simulator replays the same arrivals and output lengths. TTFT and end-to-end
     within a factor of 5: the tiny model is all per-op overheads, which the simulator
     underestimates there (the 16-token decode prompt's chunk: 13-17 ms measured through the
@@ -162,7 +164,7 @@ def test_tiny_model_scheduler_replayed_within_a_loose_factor():
 
     cfg, params = load_checkpoint(ensure_default_checkpoint(progress=False), progress=False)
     eng = Engine(params, cfg, devices=2, system=SystemSpec(num_accelerators=2), precision="bf16", max_len=256)
-    prof = load_profile("local").with_accelerators(2)
+    prof = calibrated_profile.with_accelerators(2)
     opts = {"fcfs": {}, "paper": dict(chunk_tokens=64, long_prompt_tokens=80, dual_batch="off")}
     try:
         for name, o in opts.items():
