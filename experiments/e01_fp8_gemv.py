@@ -45,6 +45,12 @@ Summary keys: from median wall times at all cores (the issue's targets), the sam
 best-of samples (`*_best`: when a shared core was not taken away), and `*_1t` for one
 thread. (Process CPU time is recorded per row as cpu_median_s but not summarised: the
 Python thread waiting on XLA's execution thread inflates it.)
+
+    python -m experiments.e01_fp8_gemv --resummarise RECORD.json
+
+prints (last stdout line, JSON) the all-cores summary of a record's own rows again, measuring
+nothing: a changed summary formula can be checked on old records (and on hand-made rows:
+tests/test_e01_summary.py).
 """
 
 from __future__ import annotations
@@ -78,6 +84,7 @@ VARIANTS = (
 )
 BYTES_PER_WEIGHT = {"f32_blas": 4.0, "f32_xla": 4.0, "bf16_torch": 2.0, "bf16_xla": 2.0}
 CHILD_FLAG = "--child-threads"
+RESUMMARISE_FLAG = "--resummarise"
 GEMVS_PER_DISPATCH = 8  # <= 8: XLA runs such programs sequentially (module doc)
 
 
@@ -341,6 +348,10 @@ def main() -> None:
     if CHILD_FLAG in sys.argv:
         i = sys.argv.index(CHILD_FLAG)
         _child(int(sys.argv[i + 1]), "--quick" in sys.argv, sys.argv[i + 2])
+        return
+    if RESUMMARISE_FLAG in sys.argv:
+        rec = json.loads(open(sys.argv[sys.argv.index(RESUMMARISE_FLAG) + 1]).read())
+        print(json.dumps(_summarise(rec["rows"], rec["config"]["summary_threads"])))
         return
     args = parse_args("e01_fp8_gemv", __doc__)
     all_threads = args.threads or os.cpu_count()

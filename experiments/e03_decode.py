@@ -6,7 +6,7 @@ INT4 (Q4_K_M-class) experts on 2x EPYC 9355 + one RTX 5090 (attention, shared ex
 layers on the GPU, routed experts on the CPU).
 
 Two parts:
-1. Measured here: the real-shape bench twin (e22's: DeepSeek-V3 layer dims, 2 MoE layers)
+1. Measured here: the real-shape bench twin (configs/models/deepseek_v3_bench.json: DeepSeek-V3 layer dims, 2 MoE layers)
    decodes through the engine at batch 1 and batched (B = 1, 2, 4; 1, 4 with --quick), a read
    probe before each step; the simulator times the same cpu decode plan on configs/systems/
    local.toml (`hmoe calibrate`) re-based on the probe. sim_error_decode is the mean absolute

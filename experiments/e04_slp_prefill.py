@@ -5,7 +5,7 @@ Claim (PAPER.md): SLP prefills at ~1,200 tokens/s on one RTX 5090 and brings a 3
 prompt within a 30 s TTFT; below ~4K tokens SLP does not help (CPU expert prefill is used).
 
 Two parts:
-1. Measured here: the real-shape bench twin (e22's) prefills through the engine with the
+1. Measured here: the real-shape bench twin (deepseek_v3_bench) prefills through the engine with the
    `cpu` schedule (routed experts on the CPU) and `slp` (experts streamed through the staging
    ring to the stand-in accelerator), at short prompts (this CPU computes ~0.05 TFLOPS);
    with the full run also slp under an emulated 1 GB/s link (Engine link_gbps). The

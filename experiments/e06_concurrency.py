@@ -54,7 +54,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments.common.record import emit_record, parse_args, print_ceiling
-from experiments.common.simserve import replay_log, window_tpot
+from hmoe_jax.sim.replay import replay_log, window_tpot
 
 PAPER = {
     "batch2_throughput_gain": 1.56,
@@ -91,7 +91,7 @@ def build_model(quick: bool):
         ckpt = ensure_default_checkpoint(progress=False)
         cfg, params = load_checkpoint(ckpt, progress=False)
         return cfg, params, ckpt, "embedded tiny default (synthetic FP8)"
-    from experiments.e22_batched_decode import bench_twin_config, fp8_twin_params
+    from hmoe_jax.io.bench_twin import bench_twin_config, fp8_twin_params
 
     cfg = bench_twin_config()
     root = Path(cache_root()) / "e06_bench_twin_arena"

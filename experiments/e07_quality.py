@@ -46,16 +46,6 @@ PAPER = {"llama_cpp_q4_k_m_ppl_gap_7b": 0.009, "kt_fewer_experts": "top-6 of top
 FP8_GAP_TARGET = 0.01
 
 
-def heldout_windows(ckpt, n: int, seq_len: int, heldout_per_mille: int) -> np.ndarray:
-    from tokenizers import Tokenizer
-
-    from hmoe_jax.train import data
-
-    tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
-    corpus = data.load_corpus(heldout_per_mille=heldout_per_mille)
-    return data.eval_windows(data.encode_stream(tok, [t for _, t in corpus.heldout]), n, seq_len)
-
-
 def with_experts(params, fn):
     """params with every MoE layer's routed experts replaced by fn(experts)."""
     from hmoe_jax.model.params import MoEParams
@@ -172,13 +162,14 @@ def load_balance(bf16_dir, windows: np.ndarray, batch: int) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args("e07_quality", __doc__, argv)
     from hmoe_jax.io.default_model import assets_dir
+    from hmoe_jax.train import data
 
     fp8_dir = assets_dir() / "deepseek_v3_stdlib"
     bf16_dir = assets_dir() / "deepseek_v3_stdlib_bf16"
     train_rec = json.loads((fp8_dir / "train_record.json").read_text())
     seq_len = train_rec["recipe"]["seq_len"]
     n_win, batch = (8, 4) if args.quick else (128, 4)
-    windows = heldout_windows(fp8_dir, n_win, seq_len, train_rec["recipe"]["heldout_per_mille"])
+    windows = data.heldout_windows(fp8_dir, n_win, seq_len, train_rec["recipe"]["heldout_per_mille"])
     variants = build_variants(fp8_dir, bf16_dir)
     print_ceiling(
         "held-out scoring",

@@ -7,20 +7,20 @@ B = 4 step costs far less than 4 single steps (target: step(B=4) / step(B=1) <= 
 a batch-1 step reaches >= 0.6 of the read-bandwidth roofline for the bytes a token must
 read (active FP8 weights + cache + lm_head), with that bandwidth measured in this run.
 
-Model: `bench_twin_config()`: DeepSeek-V3's layer dims exactly (hidden 7168, 128 heads, q/kv
-LoRA 1536/512, rope 64, nope 128, v 128, expert FFN 2048, top-8, one shared expert, block
-FP8 as released) but 2 MoE layers of 32 routed experts (4 groups of 8, keep 2) and a vocab
-of 8,192 (lm_head 117 MB bf16 instead of 1.85 GB: the vocab is not a layer dim and would
-otherwise be most of the bytes): ~3.3 GB of FP8 weights, 100x this machine's L3. Weights
-are random FP8 codes (finite) with per-block scales that keep activations O(1): the
-timing does not depend on their values.
+Model: the bench twin, configs/models/deepseek_v3_bench.json (hmoe_jax/io/bench_twin.py):
+DeepSeek-V3's layer dims exactly (hidden 7168, 128 heads, q/kv LoRA 1536/512, rope 64, nope
+128, v 128, expert FFN 2048, top-8, one shared expert, block FP8 as released) but 2 MoE
+layers of 32 routed experts (4 groups of 8, keep 2) and a vocab of 8,192 (lm_head 117 MB
+bf16 instead of 1.85 GB: the vocab is not a layer dim and would otherwise be most of the
+bytes): ~3.3 GB of FP8 weights, 100x this machine's L3. Weights are random FP8 codes
+(finite) with per-block scales that keep activations O(1): the timing does not depend on
+their values.
 
     python -m experiments.e22_batched_decode [--quick]
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import numpy as np
@@ -28,59 +28,6 @@ import numpy as np
 from experiments.common.record import emit_record, parse_args, print_ceiling
 
 PAPER = {"batch2_throughput_gain": 1.56, "batch4_throughput_gain": 1.58, "batch6_throughput_gain": 1.61}
-
-
-def bench_twin_config(vocab: int = 8192, layers: int = 2, experts: int = 32):
-    from hmoe_jax.config import named_model_config
-
-    cfg = named_model_config("deepseek_v3")
-    return dataclasses.replace(
-        cfg,
-        num_hidden_layers=layers,
-        first_k_dense_replace=0,
-        n_routed_experts=experts,
-        n_group=4,
-        topk_group=2,
-        vocab_size=vocab,
-        max_position_embeddings=4096,
-    )
-
-
-def fp8_twin_params(cfg, seed: int = 0):
-    """Random block-FP8 params of cfg, written straight as FP8 codes into aligned memory
-    (no f32 copy of 3 GB): codes uniform over the finite e4m3 values, scales 1/(rms code *
-    sqrt(fan_in)) so every projection is variance preserving."""
-    from hmoe_jax.io.names import build_params, expected_tensors
-    from hmoe_jax.quant.fp8 import FP8_DTYPE, Fp8Tensor, scale_grid_shape
-    from hmoe_jax.quant.hostmem import aligned_empty
-
-    rng = np.random.default_rng(seed)
-    finite = np.arange(256, dtype=np.uint8)
-    finite = finite[(finite & 0x7F) != 0x7F]
-    code_rms = float(np.sqrt(np.mean(finite.view(FP8_DTYPE).astype(np.float32) ** 2)))
-    specs = {s.name: s for s in expected_tensors(cfg)}
-
-    def get(name: str):
-        s = specs[name]
-        if len(s.shape) == 1:
-            if name.endswith("e_score_correction_bias"):
-                return (0.05 * rng.standard_normal(s.shape)).astype(np.float32)
-            return np.ones(s.shape, np.float32)
-        if s.quantized:
-            w = aligned_empty(s.shape, np.uint8)
-            w[...] = finite[rng.integers(0, finite.size, s.shape, dtype=np.uint16)]
-            sc = np.full(scale_grid_shape(s.shape), 1.0 / (code_rms * np.sqrt(s.shape[-1])), np.float32)
-            return Fp8Tensor(w=w.view(FP8_DTYPE), scale_inv=sc)
-        std = 1.0 if name == "model.embed_tokens.weight" else 1.0 / np.sqrt(s.shape[-1])
-        out = aligned_empty(s.shape, np.float32)
-        out[...] = std * rng.standard_normal(s.shape, np.float32)
-        if name == "lm_head.weight":  # bf16 as DeepSeek releases it
-            import ml_dtypes
-
-            return out.astype(ml_dtypes.bfloat16)
-        return out
-
-    return build_params(cfg, get)
 
 
 def token_bytes(cfg, eng, experts_touched: int, kv_tokens: int) -> int:
@@ -117,12 +64,13 @@ def touched_experts(eng, seqs) -> int:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args("e22_batched_decode", __doc__, argv)
     from hmoe_jax.engine.engine import Engine
+    from hmoe_jax.io.bench_twin import bench_twin_config, fp8_twin_params
     from hmoe_jax.model.sampling import SamplingParams
     from hmoe_jax.plan.system import SystemSpec
 
     batches = [1, 2, 4] if args.quick else [1, 2, 4, 6]
     steps = 4 if args.quick else 10
-    cfg = bench_twin_config() if not args.quick else bench_twin_config(vocab=2048, experts=16)
+    cfg = bench_twin_config(quick=args.quick)
     t0 = time.perf_counter()
     params = fp8_twin_params(cfg)
     print(

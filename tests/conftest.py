@@ -2,6 +2,11 @@ import atexit
 import os
 import shutil
 import tempfile
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 
 # Stand-in accelerators: 4 extra XLA CPU devices, set before jax initialises a backend.
 os.environ.setdefault("XLA_FLAGS", "")
@@ -16,3 +21,27 @@ jax.config.update("jax_enable_x64", False)
 if "HMOE_ARENA_DIR" not in os.environ:
     os.environ["HMOE_ARENA_DIR"] = tempfile.mkdtemp(prefix="hmoe-test-arenas-")
     atexit.register(shutil.rmtree, os.environ["HMOE_ARENA_DIR"], True)
+
+ROOT = Path(__file__).resolve().parents[1]
+# a profile `hmoe calibrate` wrote on THIS machine (skips the calibration in the run)
+TIMING_PROFILE_ENV = "HMOE_TIMING_PROFILE"
+
+
+@pytest.fixture(scope="session")
+def calibrated_profile(tmp_path_factory):
+    """This machine's simulator profile for the `timing` lane, measured in this run by
+    `hmoe calibrate --quick` (~1-2 min; in a fresh process: it sets up its own stand-in
+    devices before jax starts), or the file $HMOE_TIMING_PROFILE names. Never the committed
+    configs/systems/local.toml: that is one particular machine's, and a timing check
+    against another machine's rates tests nothing but the difference between machines."""
+    from hmoe_jax.plan.profile import load_profile
+
+    given = os.environ.get(TIMING_PROFILE_ENV)
+    if given:
+        return load_profile(given)
+    out = tmp_path_factory.mktemp("calibrate") / "local.toml"
+    cmd = [sys.executable, "-m", "hmoe_jax.cli", "calibrate", "--quick", "--out", str(out)]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    if p.returncode != 0:
+        pytest.fail(f"hmoe calibrate --quick failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    return load_profile(str(out))

@@ -5,7 +5,9 @@ import pytest
 from hmoe_jax.config import ConfigError, config_from_dict, load_config, named_model_config
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v3_tiny", "kimi_k2", "kimi_k2_tiny"])
+@pytest.mark.parametrize(
+    "name", ["deepseek_v3", "deepseek_v3_tiny", "deepseek_v3_bench", "kimi_k2", "kimi_k2_tiny"]
+)
 def test_embedded_configs_parse(name):
     cfg = named_model_config(name)
     assert cfg.cache_dim == cfg.kv_lora_rank + cfg.qk_rope_head_dim
@@ -26,6 +28,38 @@ def test_tiny_twins_keep_structure():
         assert t.rope.rope_type == r.rope.rope_type == "yarn"
         assert t.hidden_size % 128 == 0 and t.moe_intermediate_size % 128 == 0
         assert t.quant is not None
+
+
+def test_bench_twin_keeps_every_layer_dim_of_deepseek_v3():
+    """configs/models/deepseek_v3_bench.json: DeepSeek-V3's layer dims, attention and FP8
+    format exactly; only the layer count (2, all MoE), the routed experts (32 in 4 groups of
+    8, top-2 groups), the vocab (8,192) and the context (4,096) are cut."""
+    import dataclasses
+
+    real, bench = named_model_config("deepseek_v3"), named_model_config("deepseek_v3_bench")
+    cut = dict(
+        num_hidden_layers=2,
+        first_k_dense_replace=0,
+        n_routed_experts=32,
+        n_group=4,
+        topk_group=2,
+        vocab_size=8192,
+        max_position_embeddings=4096,
+    )
+    for f in dataclasses.fields(real):
+        want = cut.get(f.name, getattr(real, f.name))
+        assert getattr(bench, f.name) == want, f.name
+    assert bench.hidden_size == 7168 and bench.moe_intermediate_size == 2048 and bench.cache_dim == 576
+    assert bench.quant is not None and bench.rope.rope_type == "yarn"
+
+
+def test_bench_twin_quick_variant():
+    from hmoe_jax.io.bench_twin import bench_twin_config
+
+    full, quick = bench_twin_config(), bench_twin_config(quick=True)
+    assert full == named_model_config("deepseek_v3_bench")
+    assert (quick.n_routed_experts, quick.vocab_size) == (16, 2048)
+    assert quick.hidden_size == full.hidden_size and quick.num_hidden_layers == full.num_hidden_layers
 
 
 def _raw(name="deepseek_v3_tiny"):

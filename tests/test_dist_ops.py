@@ -37,17 +37,7 @@ from hmoe_jax.plan.dist import (
     smallep_comm,
 )
 from hmoe_jax.runtime.synthetic import random_params
-from tests.test_dist_params import tiny_config
-
-REL_TOL = 1e-5
-
-
-def assert_close(got, ref, what):
-    got, ref = np.asarray(got), np.asarray(ref)
-    assert got.shape == ref.shape, f"{what}: shape {got.shape} != {ref.shape}"
-    err, scale = float(np.abs(got - ref).max()), float(np.abs(ref).max())
-    assert err <= REL_TOL * scale, f"{what}: max |err| {err:.3g} > {REL_TOL} * max|ref| {scale:.3g}"
-
+from tests.helpers import assert_close, model_config
 
 # --- zig-zag layout -------------------------------------------------------------------
 
@@ -87,7 +77,7 @@ ATTN_OPTS = [
 @pytest.mark.parametrize("attn", ATTN_OPTS)
 @pytest.mark.parametrize("n,t", [(1, 13), (2, 16), (2, 13), (4, 13)])
 def test_cp_attention_matches_attention_block(n, t, attn):
-    cfg = tiny_config()
+    cfg = model_config()
     layer = jax.tree.map(jnp.asarray, random_params(cfg, seed=1, fp8=False).layers[0])
     b = 2
     h = np.random.default_rng(t + n).standard_normal((b, t, cfg.hidden_size)).astype(np.float32)
@@ -112,7 +102,7 @@ def test_cp_attention_matches_attention_block(n, t, attn):
 
 
 def test_cp_attention_rejects_wrong_shard():
-    cfg = tiny_config()
+    cfg = model_config()
     layer = random_params(cfg, fp8=False).layers[0]
     lay = ZigzagLayout.for_sequence(16, 2)
     f = jax.shard_map(
@@ -161,7 +151,7 @@ MOE_CASES = [
 @pytest.mark.parametrize("scheme", ["smallep", "ep"])
 @pytest.mark.parametrize("name,fp8,n", MOE_CASES)
 def test_moe_schemes_match_moe_block(scheme, name, fp8, n):
-    cfg = tiny_config(name)
+    cfg = model_config(name)
     moe = jax.tree.map(jnp.asarray, random_params(cfg, seed=2, fp8=fp8).layers[-1].ffn)
     x = np.random.default_rng(3).standard_normal((24, cfg.hidden_size)).astype(np.float32)
     ref = jax.jit(moe_block, static_argnames="cfg")(moe, cfg, jnp.asarray(x))
@@ -184,7 +174,7 @@ def test_moe_schemes_match_moe_block(scheme, name, fp8, n):
 @pytest.mark.parametrize("fp8", [False, True])
 def test_experts_grouped_matches_experts_ref(fp8, chunk):
     """Including what SmallEP/EP hand it: zero-weight pairs whose id repeats a real one."""
-    cfg = tiny_config()
+    cfg = model_config()
     moe = jax.tree.map(jnp.asarray, random_params(cfg, seed=5, fp8=fp8).layers[-1].ffn)
     x = jnp.asarray(np.random.default_rng(4).standard_normal((20, cfg.hidden_size)), jnp.float32)
     ids, w = route(moe, cfg, x)
@@ -198,7 +188,7 @@ def test_experts_grouped_matches_experts_ref(fp8, chunk):
 
 @pytest.mark.parametrize("scheme", ["smallep", "ep"])
 def test_moe_schemes_with_grouped_experts(scheme):
-    cfg = tiny_config()
+    cfg = model_config()
     moe = jax.tree.map(jnp.asarray, random_params(cfg, seed=2, fp8=True).layers[-1].ffn)
     x = np.random.default_rng(3).standard_normal((24, cfg.hidden_size)).astype(np.float32)
     ref = jax.jit(moe_block, static_argnames="cfg")(moe, cfg, jnp.asarray(x))
@@ -211,7 +201,7 @@ def test_moe_schemes_with_grouped_experts(scheme):
 def test_moe_schemes_in_token_blocks(scheme, n):
     """SmallEP in blocks of 5 local rows (T_l = 12 or 6: padded last block, gathers and
     reduce-scatters per block) and grouped experts in blocks of 7 pairs' rows."""
-    cfg = tiny_config()
+    cfg = model_config()
     moe = jax.tree.map(jnp.asarray, random_params(cfg, seed=2, fp8=True).layers[-1].ffn)
     x = np.random.default_rng(3).standard_normal((24, cfg.hidden_size)).astype(np.float32)
     ref = jax.jit(moe_block, static_argnames="cfg")(moe, cfg, jnp.asarray(x))
@@ -223,7 +213,7 @@ def test_moe_schemes_in_token_blocks(scheme, n):
 
 
 def test_ep_reports_dropped_pairs_when_capacity_is_short():
-    cfg = tiny_config()
+    cfg = model_config()
     moe = jax.tree.map(jnp.asarray, random_params(cfg, seed=2, fp8=False).layers[-1].ffn)
     x = np.random.default_rng(3).standard_normal((24, cfg.hidden_size)).astype(np.float32)
     ids = np.asarray(route(moe, cfg, jnp.asarray(x))[0])
@@ -237,10 +227,10 @@ def test_ep_reports_dropped_pairs_when_capacity_is_short():
 
 
 def test_moe_rejects_indivisible_expert_count():
-    cfg = tiny_config("kimi_k2_tiny")  # 24 experts
+    cfg = model_config("kimi_k2_tiny")  # 24 experts
     moe = random_params(cfg, fp8=False).layers[-1].ffn
     moe = moe.replace(experts=jax.tree.map(lambda a: a[:18], moe.experts))
-    cfg18 = tiny_config("kimi_k2_tiny", n_routed_experts=18)
+    cfg18 = model_config("kimi_k2_tiny", n_routed_experts=18)
     with pytest.raises(ValueError, match="n_routed_experts=18 is not divisible by the number of ranks 4"):
         jax.shard_map(
             lambda m, xs: smallep_moe(m, cfg18, xs, axis=AXIS, n_ranks=4),
@@ -323,7 +313,7 @@ def collective_bytes(lowered_text: str, n: int) -> dict[str, int]:
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_accounting_matches_compiled_collectives(n):
-    cfg = tiny_config()
+    cfg = model_config()
     moe = random_params(cfg, fp8=False).layers[-1].ffn
     t = 24
     x = jax.ShapeDtypeStruct((t, cfg.hidden_size), jnp.float32)

@@ -1,22 +1,18 @@
-"""The tiny configs of the distributed tests (their random weights come from
-hmoe_jax.runtime.synthetic.random_params, no torch needed), plus a check that the FP8
-variant really holds FP8 experts and fp8=False really does not."""
+"""The distributed tests' random weights (hmoe_jax.runtime.synthetic.random_params on the
+tiny configs of tests/helpers.model_config, no torch needed): the FP8 variant really holds
+FP8 experts and fp8=False really does not."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from hmoe_jax.config import ModelConfig, named_model_config
 from hmoe_jax.quant.fp8 import FP8_DTYPE, Fp8Tensor
 from hmoe_jax.runtime.synthetic import random_params
-
-
-def tiny_config(name: str = "deepseek_v3_tiny", **overrides) -> ModelConfig:
-    return dataclasses.replace(named_model_config(name), **overrides)
+from tests.helpers import model_config
 
 
 def test_fp8_params_hold_fp8_experts():
-    cfg = tiny_config()
+    cfg = model_config()
     p = random_params(cfg, fp8=True)
     moe = p.layers[cfg.first_k_dense_replace].ffn
     assert isinstance(moe.experts.gate, Fp8Tensor)

@@ -27,11 +27,10 @@ from hmoe_jax.plan.system import SystemSpec
 from hmoe_jax.quant.fp8 import Fp8Tensor
 from hmoe_jax.runtime.dist_stream import RankStreamer
 from hmoe_jax.runtime.synthetic import random_params
-from tests.test_dist_ops import assert_close
-from tests.test_dist_params import tiny_config
+from tests.helpers import assert_close, model_config
 
 # 3 layers (1 dense, 2 MoE) keep the reference compile short.
-CFG = tiny_config("deepseek_v3_tiny", num_hidden_layers=3, first_k_dense_replace=1)
+CFG = model_config("deepseek_v3_tiny", num_hidden_layers=3, first_k_dense_replace=1)
 CFG_F32 = dataclasses.replace(CFG, quant=None)  # plans size ring slots from cfg.quant
 
 

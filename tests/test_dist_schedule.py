@@ -22,11 +22,11 @@ from hmoe_jax.plan.system import SystemSpec
 from hmoe_jax.runtime.synthetic import random_params
 from hmoe_jax.schedules.base import ScheduleError
 from hmoe_jax.schedules.registry import get_schedule
-from tests.test_dist_params import tiny_config
+from tests.helpers import model_config
 
 
 def _cfg(fp8: bool):
-    cfg = tiny_config()
+    cfg = model_config()
     return cfg if fp8 else dataclasses.replace(cfg, quant=None)
 
 

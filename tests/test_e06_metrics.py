@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from experiments.common.simserve import window_tpot as _window_tpot
+from hmoe_jax.sim.replay import window_tpot as _window_tpot
 
 
 def req(times):

@@ -21,7 +21,7 @@ from hmoe_jax.model.sampling import SamplingParams
 from hmoe_jax.plan.system import SystemSpec
 from hmoe_jax.runtime.synthetic import random_params
 from hmoe_jax.schedules.registry import schedule_class, schedule_names
-from tests.test_schedules_invariant import reference_engine
+from tests.helpers import reference_engine
 
 SYSTEM = SystemSpec(
     auto_slp_min_tokens=8, auto_dslp_min_tokens=8, cpu_prefill_chunk_tokens=8, slp_experts_per_slot=4

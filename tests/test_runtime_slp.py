@@ -14,7 +14,6 @@ import jax
 import numpy as np
 import pytest
 
-from experiments.common.models import larger_moe_config
 from hmoe_jax.config import named_model_config
 from hmoe_jax.engine.engine import Engine
 from hmoe_jax.model.generate import generate, teacher_forced_logits
@@ -26,6 +25,7 @@ from hmoe_jax.quant.hostmem import aligned_empty
 from hmoe_jax.runtime import executor as X
 from hmoe_jax.runtime.staging import slot_layout
 from hmoe_jax.runtime.synthetic import random_params
+from tests.helpers import wide_moe_config
 
 pytest.importorskip("_hmoe_ffi", reason="the compiled extension is needed (tools/build_ffi.sh)")
 
@@ -101,7 +101,7 @@ def _rss_anon_bytes() -> int:
 def big_model(num_hidden_layers: int):
     """64 experts of 3 x 512 x 512 FP8 per MoE layer (~50 MB), written straight into aligned
     host arrays (random e4m3 bytes, fixed scales): the one host copy."""
-    cfg = larger_moe_config(num_hidden_layers)
+    cfg = wide_moe_config(num_hidden_layers)
     params = random_params(dataclasses.replace(cfg, n_routed_experts=4, n_group=1, topk_group=1), seed=1)
     rng = np.random.default_rng(2)
     e, i, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size

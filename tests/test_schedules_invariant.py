@@ -24,24 +24,12 @@ import pytest
 from hmoe_jax.config import named_model_config
 from hmoe_jax.engine.engine import Engine
 from hmoe_jax.model.generate import generate, teacher_forced_logits
-from hmoe_jax.plan.system import SystemSpec
 from hmoe_jax.runtime.synthetic import random_params
 from hmoe_jax.schedules.registry import schedule_class, schedule_names
+from tests.helpers import reference_engine
 
 PROMPT_LEN, NEW_TOKENS = 12, 4
-# auto picks slp/dslp from 8 tokens (so the 12-token prompt exercises them); cpu chunks by 8
-SYSTEM = SystemSpec(
-    auto_slp_min_tokens=8, auto_dslp_min_tokens=8, cpu_prefill_chunk_tokens=8, slp_experts_per_slot=4
-)
 ATOL = RTOL = 1e-4
-
-
-def reference_engine(params, cfg, devices: int, **options) -> Engine:
-    """An engine that must reproduce the reference rollout: the f32 policy, experts_ref on
-    the host (the FFI op rounds activations to bf16: its own tests cover it), the SYSTEM
-    thresholds that make a short prompt exercise every schedule."""
-    system = dataclasses.replace(SYSTEM, num_accelerators=devices)
-    return Engine(params, cfg, devices=devices, system=system, expert_fn="ref", precision="f32", **options)
 
 
 @functools.cache

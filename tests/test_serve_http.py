@@ -11,12 +11,7 @@ one length, so the server compiles few shapes.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import functools
 import json
-import os
-import re
-import signal
 import subprocess
 import sys
 import time
@@ -26,59 +21,24 @@ import httpx
 import openai
 import pytest
 
-from hmoe_jax.serve.metrics import parse_metrics
-
-ROOT = Path(__file__).resolve().parents[1]
-MAX_MODEL_LEN = 1088  # room for the 1000-token prompts of the bench agreement run
-MAX_NUM_SEQS = 4
-MAX_IN_FLIGHT = 6
-MODEL = "hmoe-test"  # --served-model-name: the tests do not depend on which default model ships
-TEXT = "Hybrid MoE"
-# Token-id prompts of one length (the server's warm-up length): one compiled prefill shape.
-PROMPTS = [[40 + 7 * k + j for j in range(8)] for k in range(4)]
-
-
-@dataclasses.dataclass
-class Server:
-    url: str
-    proc: subprocess.Popen
-    log: Path
-
-    def metrics(self) -> dict[str, float]:
-        return parse_metrics(httpx.get(f"{self.url}/metrics", timeout=30).text)
-
-
-def start_server(log: Path, *extra: str, timeout_s: float = 300, env: dict | None = None) -> Server:
-    cmd = [sys.executable, "-m", "hmoe_jax.cli", "serve", "--port", "0", "--quiet"]
-    cmd += ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS)]
-    cmd += ["--max-in-flight", str(MAX_IN_FLIGHT), "--served-model-name", MODEL, *extra]
-    f = open(log, "w")  # noqa: SIM115 (the server writes it for its whole life)
-    # The shipped default (its BPE tokens carry several characters: a token can hold the
-    # text before a stop string AND the stop string, which the SSE path must still send).
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
-    )
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        m = re.search(r"listening on (http://\S+)", log.read_text())
-        if m:
-            card = httpx.get(f"{m.group(1)}/v1/models", timeout=30).json()["data"][0]
-            CHECKPOINT.setdefault("root", card["root"])  # the reference loads what the server serves
-            return Server(m.group(1), proc, log)
-        if proc.poll() is not None:
-            pytest.fail(f"hmoe serve exited {proc.returncode}:\n{log.read_text()[-3000:]}")
-        time.sleep(0.2)
-    proc.kill()
-    pytest.fail(f"hmoe serve did not listen within {timeout_s} s:\n{log.read_text()[-3000:]}")
-
-
-def stop_server(s: Server) -> None:
-    if s.proc.poll() is None:
-        s.proc.send_signal(signal.SIGTERM)
-        try:
-            s.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            s.proc.kill()
+from tests.helpers import (
+    GOOD,
+    MAX_IN_FLIGHT,
+    MAX_MODEL_LEN,
+    MODEL,
+    PROMPTS,
+    ROOT,
+    TEXT,
+    Server,
+    chat_ids,
+    client,
+    ids_of,
+    reference,
+    solo,
+    start_server,
+    stop_server,
+    text_of,
+)
 
 
 @pytest.fixture(scope="module")
@@ -100,55 +60,6 @@ def byte_server(tmp_path_factory):
     )
     yield s
     stop_server(s)
-
-
-# ---------------------------------------------------------------- the independent reference
-
-
-CHECKPOINT: dict[str, str] = {}
-
-
-@functools.cache
-def reference():
-    from hmoe_jax.engine.engine import Engine
-    from hmoe_jax.io.loader import load_checkpoint
-    from hmoe_jax.io.tokenizer import load_tokenizer
-    from hmoe_jax.serve.openai_protocol import ChatTemplate
-
-    ckpt = Path(CHECKPOINT["root"])
-    cfg, params = load_checkpoint(ckpt, progress=False)
-    eng = Engine(
-        params, cfg, devices=1, max_batch=MAX_NUM_SEQS, max_len=MAX_MODEL_LEN
-    )  # the server's options
-    tok = load_tokenizer(ckpt, cfg.vocab_size)
-    return eng, tok, ChatTemplate(ckpt, tok.encode)
-
-
-@functools.cache
-def solo(ids: tuple[int, ...], n: int, ignore_eos: bool = False, temperature: float = 0.0, seed: int = 0):
-    from hmoe_jax.model.sampling import SamplingParams
-
-    eng, _, _ = reference()
-    sp = SamplingParams(temperature=temperature, seed=seed)
-    return eng.generate(list(ids), n, schedule="cpu", stop_ids=() if ignore_eos else None, sampling=sp).tokens
-
-
-def ids_of(text: str | list[int]) -> tuple[int, ...]:
-    return tuple(text) if isinstance(text, list) else tuple(reference()[1].encode(text))
-
-
-def chat_ids(content: str) -> tuple[int, ...]:
-    from hmoe_jax.serve.openai_protocol import ChatMessage
-
-    return tuple(reference()[2].encode([ChatMessage(role="user", content=content)]))
-
-
-def text_of(tokens) -> str:
-    return reference()[1].decode(list(tokens))
-
-
-def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="EMPTY", max_retries=0)
 
 
 # ---------------------------------------------------------------- endpoints
@@ -324,7 +235,6 @@ def test_stop_strings_and_seeded_sampling(server):
 
 # ---------------------------------------------------------------- bad input
 
-GOOD = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 2, "temperature": 0}
 BIG_ID = 10**7  # past any vocabulary
 GOOD_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 BAD = [  # (path, body, status, param, words in the message)
@@ -534,8 +444,9 @@ def test_overload_gets_429_at_once_and_loses_no_accepted_request(server):
     assert m['hmoe:requests_rejected_total{model_name="hmoe-test",status="429"}'] >= s["rejected"]
 
 
+@pytest.mark.timing
 def test_bench_means_agree_with_server_metrics(byte_server, tmp_path):
-    """`hmoe bench serve` against the real server: its mean TTFT / TPOT equal the server's
+    """Wall-clock (the `timing` lane). `hmoe bench serve` against the real server: its mean TTFT / TPOT equal the server's
     own (/metrics histogram sum / count over the run) within 5%. Long prompts (1000 tokens,
     TTFT ~0.3-0.5 s here), so the client's own few ms per request (connection, JSON, a busy
     2-core host) stay small beside what is measured."""

@@ -1,6 +1,6 @@
 """`hmoe serve`'s life cycle, each test on a server of its own (issue 14): SIGTERM drains the
 streams in flight and exits 0; the --pd backend (slow: two worker processes) serves the same
-tokens. Helpers and the independent reference are those of tests/test_serve_http.py."""
+tokens. Helpers and the independent reference: tests/helpers.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.test_serve_http import GOOD, MODEL, PROMPTS, client, ids_of, solo, start_server, stop_server
+from tests.helpers import GOOD, MODEL, PROMPTS, client, ids_of, solo, start_server, stop_server
 
 
 def test_sigterm_drains_in_flight_streams_then_exits(tmp_path):

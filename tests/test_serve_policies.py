@@ -23,7 +23,7 @@ from hmoe_jax.policies.registry import get_policy, policy_names
 from hmoe_jax.runtime.synthetic import random_params
 from hmoe_jax.serve.request import RequestError
 from hmoe_jax.serve.scheduler import Scheduler
-from tests.test_schedules_invariant import reference_engine
+from tests.helpers import reference_engine
 
 # Thresholds that make the tiny model take every path: prompts >= 10 tokens are "long"
 # (dslp when idle, slp on accelerator 1 while decoding), shorter ones go in chunks of 4.

@@ -15,16 +15,16 @@ import dataclasses
 
 import pytest
 
-from experiments.e22_batched_decode import bench_twin_config
 from hmoe_jax.config import named_model_config
 from hmoe_jax.plan.profile import load_profile
 from hmoe_jax.policies.base import Policy
 from hmoe_jax.policies.registry import get_policy, policy_names
 from hmoe_jax.sim.events import SimError
+from hmoe_jax.sim.replay import replay_log, replay_requests, token_timings
 from hmoe_jax.sim.run import simulate_decode_step, simulate_request
 from hmoe_jax.sim.serve import SimRequest, SimServer, decode_arms, from_replay
 
-CFG = bench_twin_config()
+CFG = named_model_config("deepseek_v3_bench")
 PAPER_BOX = "paper_epyc9355_rtx5090"
 
 
@@ -142,8 +142,10 @@ def test_dual_auto_follows_the_simulated_arms():
     assert picked == want
 
 
-def test_tiny_model_scheduler_replayed_within_a_loose_factor():
-    """The real Scheduler (fcfs and the paper policy, 2 stand-ins) serves a decode and a
+@pytest.mark.timing
+def test_tiny_model_scheduler_replayed_within_a_loose_factor(calibrated_profile):
+    """Wall-clock (the `timing` lane, on this machine's profile calibrated in the run: the
+    `calibrated_profile` fixture of tests/conftest.py). The real Scheduler (fcfs and the paper policy, 2 stand-ins) serves a decode and a
     prompt; the simulator replays the same arrivals and output lengths. TTFT and end-to-end
     within a factor of 5: the tiny model is all per-op overheads, which the simulator
     underestimates there (the 16-token decode prompt's chunk: 13-17 ms measured through the
@@ -153,7 +155,6 @@ def test_tiny_model_scheduler_replayed_within_a_loose_factor():
     from hmoe_jax.runtime.placement import configure_stand_ins
 
     configure_stand_ins(2)
-    from experiments.common.simserve import replay_log, token_timings
     from hmoe_jax.engine.engine import Engine
     from hmoe_jax.io.loader import load_checkpoint
     from hmoe_jax.io.synthetic import ensure_default_checkpoint
@@ -163,7 +164,7 @@ def test_tiny_model_scheduler_replayed_within_a_loose_factor():
 
     cfg, params = load_checkpoint(ensure_default_checkpoint(progress=False), progress=False)
     eng = Engine(params, cfg, devices=2, system=SystemSpec(num_accelerators=2), precision="bf16", max_len=256)
-    prof = load_profile("local").with_accelerators(2)
+    prof = calibrated_profile.with_accelerators(2)
     opts = {"fcfs": {}, "paper": dict(chunk_tokens=64, long_prompt_tokens=80, dual_batch="off")}
     try:
         for name, o in opts.items():
@@ -209,7 +210,6 @@ def test_replay_of_a_mix_decodes_until_the_clients_prompt_request_is_done():
     the replay keeps them decoding until the simulated prompt request is done (a replay at
     the measured token count let a faster simulated decode end before the prompt arrived and
     never see the stall); a round where every request was cancelled replays its counts."""
-    from experiments.common.simserve import replay_requests
 
     cfg = named_model_config("deepseek_v3_tiny")
     prof = load_profile("paper_epyc9355_rtx5090")

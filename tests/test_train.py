@@ -174,7 +174,7 @@ def _reproduce(tmp_path, *extra: str) -> dict:
 
 
 # Minutes of training: not in the default suite (CI's 30-minute budget); run them with
-# HMOE_RETRAIN=1 python -m pytest tests/test_train.py -k reproduce
+# HMOE_RETRAIN=1 python -m pytest -m slow tests/test_train.py -k reproduce
 RETRAIN = pytest.mark.skipif(
     not os.environ.get("HMOE_RETRAIN"), reason="retraining takes minutes: set HMOE_RETRAIN=1 to run it"
 )

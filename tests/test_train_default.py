@@ -55,7 +55,6 @@ def test_default_checkpoint_is_the_trained_one_unless_synthetic_is_asked(monkeyp
 def test_shipped_fp8_model_scores_held_out_files_as_recorded():
     """The FP8 checkpoint is the trained model: its held-out loss on 8 of the record's
     windows is within 5% of the f32 model's recorded loss (64 windows)."""
-    from experiments.e07_quality import heldout_windows
     from hmoe_jax.model.model import forward_nocache
     from hmoe_jax.train import data
 
@@ -63,7 +62,7 @@ def test_shipped_fp8_model_scores_held_out_files_as_recorded():
     corpus = data.load_corpus(heldout_per_mille=rec["recipe"]["heldout_per_mille"])
     if corpus.digest != rec["corpus"]["digest"]:
         pytest.skip("this interpreter's stdlib is not the corpus the shipped model was trained on")
-    win = heldout_windows(SHIPPED, 8, rec["recipe"]["seq_len"], rec["recipe"]["heldout_per_mille"])
+    win = data.heldout_windows(SHIPPED, 8, rec["recipe"]["seq_len"], rec["recipe"]["heldout_per_mille"])
     cfg, params = load_checkpoint(SHIPPED, progress=False)
     logits = np.asarray(forward_nocache(params, cfg, win[:, :-1]), np.float64)
     m = logits.max(-1, keepdims=True)

@@ -1,7 +1,7 @@
 """The GPU check of the real-scale engine issue, as one prepared script (under 8 minutes on
 one GPU): compile and run the slp prefill of the real-shape DeepSeek-V3 bench twin
-(experiments/e22_batched_decode.py's `bench_twin_config`: real layer dims, 2 MoE layers of
-32 experts) at 8K prompt tokens, and print one JSON line with the measured host->device copy
+(configs/models/deepseek_v3_bench.json, hmoe_jax/io/bench_twin.py: real layer dims, 2 MoE
+layers of 32 experts) at 8K prompt tokens, and print one JSON line with the measured host->device copy
 rate (GB/s), prefill tokens/s and the GPU's peak memory.
 
     python tools/gpu_slp_check.py                 # on a GPU host (the device tool)
@@ -28,12 +28,12 @@ def main() -> None:
     import jax
     import numpy as np
 
-    from experiments.e22_batched_decode import bench_twin_config, fp8_twin_params
     from hmoe_jax.engine.engine import Engine
+    from hmoe_jax.io.bench_twin import bench_twin_config, fp8_twin_params
     from hmoe_jax.plan.system import load_system
     from hmoe_jax.plan.trace import TraceRecorder
 
-    cfg = bench_twin_config(vocab=8192)
+    cfg = bench_twin_config()
     t0 = time.perf_counter()
     params = fp8_twin_params(cfg)
     build_s = time.perf_counter() - t0

@@ -26,9 +26,9 @@ EXPERIMENTS = ("e03_decode", "e04_slp_prefill", "e06_concurrency")
 
 
 def _bench_cfg(quick: bool):
-    from experiments.e22_batched_decode import bench_twin_config
+    from hmoe_jax.io.bench_twin import bench_twin_config
 
-    return bench_twin_config(vocab=2048, experts=16) if quick else bench_twin_config()
+    return bench_twin_config(quick=quick)
 
 
 def _resim_e03(rec: dict[str, Any]) -> tuple[list[dict], dict]:

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import statistics
 from pathlib import Path
@@ -22,37 +21,9 @@ from typing import Any
 import numpy as np
 
 from experiments.common.simval import errors
+from hmoe_jax.sim.replay import replay_requests, token_timings, window_tpot
 
 METRICS = ("ttft_s", "tpot_s", "e2e_s")
-
-
-def token_timings(token_s: list[float], arrival_s: float) -> dict[str, float | None]:
-    """TTFT, TPOT (mean gap after the first token) and end-to-end latency to the LAST token
-    of a request that arrived at arrival_s and produced tokens at token_s: the same for a
-    measured replay-log request and a simulated one (a cancelled request's cancel time is the
-    client's, not the server's; the simulated one stops at its forced last token)."""
-    gaps = np.diff(token_s)
-    return {
-        "ttft_s": token_s[0] - arrival_s if token_s else None,
-        "tpot_s": float(np.mean(gaps)) if gaps.size else None,
-        "e2e_s": token_s[-1] - arrival_s if token_s else None,
-    }
-
-
-def replay_log(rs, t0: float) -> list[dict]:
-    """What the simulator needs to replay a measured run (experiments/common/simserve.py):
-    each request's arrival, prompt length, token times (s, from t0) and how it ended."""
-    return [
-        {
-            "arrival_s": r.submitted_s - t0,
-            "prompt_tokens": int(r.prompt.size),
-            "token_s": [t - t0 for t in r.token_s],
-            "finished_s": None if r.finished_s is None else r.finished_s - t0,
-            "finish_reason": r.finish_reason,
-            "schedule": r.schedule,
-        }
-        for r in rs
-    ]
 
 
 def backend_server(cfg, prof, backend: str, long_len: int, max_len: int, log: list[dict]):
@@ -78,29 +49,6 @@ def backend_server(cfg, prof, backend: str, long_len: int, max_len: int, log: li
         last_decode_s=0.0 if recent else None,
         **common,
     )
-
-
-def replay_requests(kept: list[dict], max_len: int):
-    """(SimRequests, stop) replaying one measured round as its client ran it. e06's client
-    cancels a round's decodes once its prompt request (finish_reason "length") has its last
-    token: so those requests decode until the simulated prompt request is done, not for a
-    fixed count (a replay at the measured count let a faster simulated decode end before the
-    prompt arrived and never see the stall). A round where every request was cancelled (the
-    alone decodes, cancelled after a count of timed steps) replays the measured counts."""
-    from hmoe_jax.sim.serve import from_replay
-
-    reqs = from_replay(kept)
-    done_by = [i for i, x in enumerate(kept) if x.get("finish_reason") != "cancelled"]
-    if len(done_by) == len(kept) or not done_by:
-        return reqs, None
-    for i, x in enumerate(kept):
-        if x.get("finish_reason") == "cancelled":
-            reqs[i] = dataclasses.replace(reqs[i], output_tokens=max_len - reqs[i].prompt_tokens)
-
-    def stop(results) -> bool:
-        return all(results[i].state == "done" for i in done_by)
-
-    return reqs, stop
 
 
 def _p90(v: list[float]) -> float:
@@ -184,7 +132,7 @@ def resimulate(record_path: str) -> tuple[dict, list[dict], dict]:
     measured rows (replay logs, probes): (config, rows, summary) for a new record that says
     which measured record it re-simulates (its "quick" says the record's size). Measured
     numbers are copied, never re-derived."""
-    from experiments.e22_batched_decode import bench_twin_config
+    from hmoe_jax.io.bench_twin import bench_twin_config
 
     rec = json.loads(Path(record_path).read_text())
     cfg_rec = rec["config"]
@@ -217,21 +165,6 @@ def resimulate(record_path: str) -> tuple[dict, list[dict], dict]:
 
 
 # ---------------------------------------------------------------- projection
-
-
-def window_tpot(decodes, t0: float, t1: float) -> float | None:
-    """Mean gap between a decode's tokens over the span from its last token at or before t0
-    to its first token at or after t1 (a decode that stalls through the window shows the
-    stall; one that ended inside the window: to its last token), averaged over the decodes;
-    None without such a span. Anything with `token_s` (a measured Request, a SimResult)."""
-    per = []
-    for r in decodes:
-        t = r.token_s
-        lo = max((i for i, x in enumerate(t) if x <= t0), default=None)
-        hi = min((i for i, x in enumerate(t) if x >= t1), default=len(t) - 1 if t else None)
-        if lo is not None and hi is not None and hi > lo:
-            per.append((t[hi] - t[lo]) / (hi - lo))
-    return float(np.mean(per)) if per else None
 
 
 def project(quick: bool) -> tuple[list[dict], dict, dict]:

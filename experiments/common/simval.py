@@ -38,9 +38,9 @@ def local_profile(
 def bench_params(quick: bool):
     """The real-shape bench twin of e22 (DeepSeek-V3 layer dims, 2 MoE layers) and its
     random FP8 params (16 experts and vocab 2,048 with --quick)."""
-    from experiments.e22_batched_decode import bench_twin_config, fp8_twin_params
+    from hmoe_jax.io.bench_twin import bench_twin_config, fp8_twin_params
 
-    cfg = bench_twin_config(vocab=2048, experts=16) if quick else bench_twin_config()
+    cfg = bench_twin_config(quick=quick)
     t0 = time.perf_counter()
     params = fp8_twin_params(cfg)
     print(

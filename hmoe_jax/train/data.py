@@ -129,6 +129,17 @@ def eval_windows(stream: np.ndarray, n: int, length: int) -> np.ndarray:
     return np.stack([stream[i * step * stride : i * step * stride + stride] for i in range(count)])
 
 
+def heldout_windows(ckpt: Path, n: int, seq_len: int, heldout_per_mille: int) -> np.ndarray:
+    """[n', seq_len + 1] evenly spaced windows of the held-out stdlib files, encoded with the
+    tokenizer.json of checkpoint ckpt (what experiments/e07_quality.py and the shipped
+    model's test score)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(ckpt) / "tokenizer.json"))
+    corpus = load_corpus(heldout_per_mille=heldout_per_mille)
+    return eval_windows(encode_stream(tok, [t for _, t in corpus.heldout]), n, seq_len)
+
+
 def save_tokenizer(tok, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     tok.save(str(out_dir / "tokenizer.json"))
