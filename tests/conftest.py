@@ -1,9 +1,9 @@
 import atexit
 import os
 import shutil
-import tempfile
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
