@@ -13,7 +13,8 @@ until every submitted request is finished.
 
 One iteration: take new requests and cancellations; adopt finished background prefills (copy
 their KV from the prefill lane's accelerator into their pool row, sample the first token);
-build the policy's View; run its actions in order (whole-prompt prefills, one chunk of a
+ask the serving core (policies/core.py: the request lifecycle, the View, the policy's
+decision; the P/D coordinator and the simulator run the same core); run the actions in order (whole-prompt prefills, one chunk of a
 short prompt, one decode step: plain, or dual-batch through engine/dual.py). A cancelled
 request's pool row is freed in the iteration that sees the cancel. An action that fails
 (bad input found late, a plan that does not fit) ends its request with an error naming the
