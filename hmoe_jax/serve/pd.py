@@ -50,7 +50,6 @@ from pathlib import Path
 from typing import Any
 
 from hmoe_jax.io.arena import DATA_NAME, arena_config, ensure_arena, is_arena, mapped_kb
-from hmoe_jax.model.generate import check_prompt
 from hmoe_jax.model.sampling import SamplingParams
 from hmoe_jax.policies.base import Decode, Policy, Prefill
 from hmoe_jax.policies.core import (
@@ -58,13 +57,12 @@ from hmoe_jax.policies.core import (
     RequestState,
     ServingCore,
     action_kinds,
-    check_fits,
     check_pd_policy,
 )
 from hmoe_jax.policies.registry import get_policy
 from hmoe_jax.serve import kvshm
 from hmoe_jax.serve.pd_worker import WorkerSpec
-from hmoe_jax.serve.request import Request, RequestHandle
+from hmoe_jax.serve.request import Request, RequestHandle, new_request
 
 ROLES = ("prefill", "decode")
 _tags = itertools.count()
@@ -181,10 +179,8 @@ class PDCoordinator:
         """Queue a request; bad input raises ValueError here, naming the problem."""
         if self._closed:
             raise RuntimeError("P/D coordinator is closed")
-        params = (params or SamplingParams()).validate()
-        ids = check_prompt(self.cfg, prompt_ids, params.max_new_tokens)
-        check_fits(int(ids.size), params.max_new_tokens, self.max_len, "the workers'")
-        e = _Entry(RequestHandle(Request(ids, params, time.perf_counter()), self._cancel))
+        req = new_request(self.cfg, prompt_ids, params, self.max_len, time.perf_counter(), "the workers'")
+        e = _Entry(RequestHandle(req, self._cancel))
         with self._lock:
             self._inbox.append(e)
         self._wake()

@@ -32,14 +32,13 @@ from typing import Any
 
 from hmoe_jax.engine.dual import dual_step, split_micro_batches
 from hmoe_jax.engine.engine import Engine, SeqState
-from hmoe_jax.model.generate import check_prompt
 from hmoe_jax.model.sampling import SamplingParams
 from hmoe_jax.plan.buckets import cache_len
 from hmoe_jax.plan.trace import TraceRecorder
 from hmoe_jax.policies.base import Chunk, Decode, Policy, Prefill
-from hmoe_jax.policies.core import RequestState, ServingCore, check_fits
+from hmoe_jax.policies.core import RequestState, ServingCore
 from hmoe_jax.policies.registry import DEFAULT_POLICY, get_policy
-from hmoe_jax.serve.request import Request, RequestHandle
+from hmoe_jax.serve.request import Request, RequestHandle, new_request
 
 
 @dataclasses.dataclass
@@ -111,10 +110,9 @@ class Scheduler:
         """Queue a request; bad input raises ValueError here, naming the problem."""
         if self._closed:
             raise RuntimeError("scheduler is closed")
-        params = (params or SamplingParams()).validate()
-        ids = check_prompt(self.engine.cfg, prompt_ids, params.max_new_tokens)
-        check_fits(int(ids.size), params.max_new_tokens, self.engine.max_len)
-        req = Request(ids, params, self.clock())
+        req = new_request(
+            self.engine.cfg, prompt_ids, params, self.engine.max_len, self.clock(), "the engine's"
+        )
         e = _Entry(RequestHandle(req, self._cancel))
         with self._lock:
             self._inbox.append(e)
