@@ -214,3 +214,38 @@ def test_pd_coordinator_honours_the_policys_options():
         assert rs[0].tokens == rs[1].tokens
         prefills = [a for it in pd.log for a in it["actions"] if a["kind"] == "prefill"]
         assert [a["schedule"] for a in prefills] == ["cpu", "cpu"]
+
+
+def test_hmoe_serve_pd_passes_policy_system_devices_and_expert_fn_to_the_coordinator(monkeypatch):
+    """`hmoe serve --pd` hands every flag it honours to the coordinator (a stand-in that
+    records its arguments: no worker starts)."""
+    import hmoe_jax.serve.pd as pd_mod
+    from hmoe_jax.cli import build_parser, build_run
+    from hmoe_jax.plan.system import load_system
+    from hmoe_jax.serve.http_server import build_state
+
+    seen = {}
+
+    class Recorder:
+        healthy = True
+
+        def __init__(self, checkpoint, policy, **kw):
+            seen.update(checkpoint=checkpoint, policy=policy, **kw)
+
+        def wait_ready(self):
+            return self
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(pd_mod, "PDCoordinator", Recorder)
+    argv = ["serve", "--pd", "--devices", "4", "--system", "rtx5090_x1", "--expert-fn", "ref"]
+    argv += ["--policy-option", "schedule=slp", "--max-num-seqs", "5", "--precision", "f32"]
+    args = build_parser().parse_args(argv)
+    build_state(args, build_run(args))
+    assert seen["policy"].name == "fcfs"
+    assert seen["policy"].options == {"schedule": "slp", "decode_cap": 5}
+    assert seen["prefill_devices"] == seen["decode_devices"] == 2
+    assert seen["engine"]["system"] == load_system("rtx5090_x1")
+    assert seen["engine"]["expert_fn"] == "ref" and seen["engine"]["precision"] == "f32"
+    assert seen["engine"]["max_batch"] == 5

@@ -49,10 +49,12 @@ from hmoe_jax.plan.trace import attention_moe_split
 from hmoe_jax.policies.base import Chunk, Decode, Policy, PolicyError, Prefill
 from hmoe_jax.policies.core import (
     PLAIN_ACTIONS,
+    AdmissionError,
     RequestState,
     ServingCore,
     Tracked,
     action_kinds,
+    check_fits,
     check_pd_policy,
 )
 from hmoe_jax.policies.registry import DEFAULT_POLICY, get_policy
@@ -75,11 +77,10 @@ class SimRequest:
     def check(self, cfg: ModelConfig, max_len: int) -> SimRequest:
         if self.prompt_tokens < 1 or self.output_tokens < 1 or self.arrival_s < 0:
             raise SimError(f"sim request: {self} (prompt and output need >= 1 token, arrival >= 0)")
-        if self.prompt_tokens + self.output_tokens > max_len:
-            raise SimError(
-                f"sim request: prompt {self.prompt_tokens} + output {self.output_tokens} tokens exceed "
-                f"the KV row length of {max_len}"
-            )
+        try:
+            check_fits(self.prompt_tokens, self.output_tokens, max_len, "the")
+        except AdmissionError as e:
+            raise SimError(f"sim {e}") from None
         return self
 
 
