@@ -34,7 +34,7 @@ def backend_server(cfg, prof, backend: str, long_len: int, max_len: int, log: li
     if backend.startswith("fcfs"):
         return SimServer(cfg, prof, "fcfs", decode_cap=6, **common)
     if backend.startswith("P/D"):
-        return SimServer(cfg, prof, pd=True, pd_schedule="slp", decode_cap=6, **common)
+        return SimServer(cfg, prof, "fcfs", pd=True, schedule="slp", decode_cap=6, **common)
     # the measured scheduler object served every round in turn: it had decoded within the
     # idle window unless its long prompt went to dslp (the idle-node path)
     recent = not any(x.get("schedule") == "dslp" for x in log)
@@ -202,7 +202,7 @@ def project(quick: bool) -> tuple[list[dict], dict, dict]:
         "in-process paper policy": dict(policy="paper", decode_cap=6, dual_batch="off", last_decode_s=0.0),
         # the prefill worker with `auto` (serve/pd.py takes a schedule): short prompts by the
         # cpu schedule, long ones by slp, as the paper splits them
-        "P/D disaggregation": dict(pd=True, pd_schedule="auto", decode_cap=6),
+        "P/D disaggregation": dict(policy="fcfs", pd=True, schedule="auto", decode_cap=6),
     }
     for name, opts in backends.items():
         for k in (0, 2) if quick else (0, 1, 2):  # --quick: the idle and the worst mix

@@ -44,7 +44,10 @@ def add_serve_parsers(sub: Any) -> None:
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost only)")
     s.add_argument("--port", type=int, default=8000, help="0: any free port (printed on stderr)")
     s.add_argument(
-        "--policy", choices=policy_names(), default=DEFAULT_POLICY, help="request-scheduling policy"
+        "--policy",
+        choices=policy_names(),
+        default=None,
+        help=f"request-scheduling policy (default: {DEFAULT_POLICY}; with --pd: fcfs)",
     )
     s.add_argument(
         "--policy-option", action="append", default=[], metavar="KEY=VALUE", help="policy option, repeatable"

@@ -12,8 +12,7 @@ Each scheduler iteration the backend builds a View of its requests, calls
   decode: short prompts start at once instead of waiting for a whole-prompt prefill).
 - Decode(requests, micro_batches, measure): one decode step of these requests; 2 micro-batches
   = the dual-batch attention/MoE overlap (engine/dual.py); measure = time and trace the step
-  so the backend records its seconds in View.step_times[(batch, micro_batches)] and its
-  per-layer (A, M) times in View.layer_times.
+  so the backend records its seconds in View.step_times[(batch, micro_batches)].
 
 Requests are referred to by id; a policy never touches tokens or arrays.
 """
@@ -42,8 +41,6 @@ class View:
     decoding: tuple[int, ...]  # requests decoding, oldest first
     background: tuple[int, ...] = ()  # requests being prefilled on the prefill lane
     last_decode_s: float | None = None  # when a decode step last ran (None: never)
-    layer_times: Mapping[int, tuple[float, float]] = dataclasses.field(default_factory=dict)
-    # batch size -> measured per-MoE-layer (accelerator A_s, CPU experts M_s)
     step_times: Mapping[tuple[int, int], float] = dataclasses.field(default_factory=dict)
     # (batch size, micro-batches) -> seconds of a measured decode step
 
@@ -77,10 +74,16 @@ class PolicyError(ValueError):
 
 
 class Policy:
-    """Subclasses set `name`, `defaults` (every option with its default) and decide()."""
+    """Subclasses set `name`, `defaults` (every option with its default), `emits` and
+    decide(). `emits`: what its actions may need of a runner (policies/core.action_kinds:
+    prefill, chunk, decode, multi_device_prefill, dual_batch, measure), so a runner that
+    cannot run some of them (the P/D workers) refuses the policy up front."""
 
     name = "base"
     defaults: dict[str, Any] = {}
+    emits: frozenset[str] = frozenset(
+        {"prefill", "chunk", "decode", "multi_device_prefill", "dual_batch", "measure"}
+    )
 
     def __init__(self, **options: Any):
         unknown = sorted(set(options) - set(self.defaults))

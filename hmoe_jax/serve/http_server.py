@@ -3,7 +3,10 @@
 
 Backend: the in-process Scheduler (one Engine, a policy from hmoe_jax.policies) by default,
 or with --pd the P/D coordinator (a prefill and a decode worker process on one shared host
-copy of the weights). The port is bound only once the model is loaded and warmed up, so a
+copy of the weights), driven by the same policies: --policy (default fcfs there; one the
+workers cannot run, like paper, is refused with what it asks for) and --policy-option;
+--devices N gives each worker N/2 accelerators; --system and --expert-fn reach both
+workers' engines. The port is bound only once the model is loaded and warmed up, so a
 client that can connect can be served; the line `hmoe serve: listening on http://H:P` on
 stderr says so (with --port 0 it names the port the OS chose).
 
@@ -80,6 +83,48 @@ def _policy_options(items: list[str]) -> dict[str, Any]:
     return out
 
 
+def _policy(args: argparse.Namespace) -> Any:
+    """The Policy --policy / --policy-option name (default: paper in process, fcfs with
+    --pd), built here so a bad option, or a policy P/D cannot run, is refused before any
+    backend starts."""
+    from hmoe_jax.io.errors import InputError
+    from hmoe_jax.policies.base import PolicyError
+    from hmoe_jax.policies.core import check_pd_policy
+    from hmoe_jax.policies.registry import DEFAULT_POLICY, get_policy
+
+    name = args.policy or ("fcfs" if args.pd else DEFAULT_POLICY)
+    opts = _policy_options(args.policy_option)
+    try:
+        policy = get_policy(name, **opts)
+        if args.pd:
+            check_pd_policy(policy)
+            if "decode_cap" not in opts and "decode_cap" in policy.defaults:
+                # the decode worker batches --max-num-seqs sequences, as before policies drove P/D
+                policy = get_policy(name, **opts, decode_cap=args.max_num_seqs)
+    except PolicyError as e:
+        raise InputError(f"--policy {name}: {e}") from None
+    cap = policy.options.get("decode_cap")
+    if args.pd and cap is not None and int(cap) > args.max_num_seqs:
+        raise InputError(
+            f"--policy-option decode_cap={cap} with --pd exceeds --max-num-seqs {args.max_num_seqs}"
+        )
+    return policy
+
+
+def _pd_devices(devices: int | None) -> int:
+    """--devices with --pd: the accelerators of both workers together, split evenly."""
+    from hmoe_jax.io.errors import InputError
+
+    if devices is None:
+        return 1
+    if devices < 2 or devices % 2:
+        raise InputError(
+            f"--devices {devices} with --pd: the prefill and the decode worker each own half of the "
+            "accelerators, so give an even number >= 2"
+        )
+    return devices // 2
+
+
 def build_state(args: argparse.Namespace, run: Any) -> tuple[ServerState, Callable[[], None]]:
     """The app state (backend included) for parsed `hmoe serve` args and a cli.Run, and the
     function that closes the backend (and its engine)."""
@@ -90,18 +135,26 @@ def build_state(args: argparse.Namespace, run: Any) -> tuple[ServerState, Callab
     if not 1 <= max_len <= run.max_context:
         raise InputError(f"--max-model-len {max_len} must be in [1, {run.max_context}] (the context)")
     engine_opts = dict(precision=args.precision, max_batch=args.max_num_seqs, max_len=max_len)
+    policy = _policy(args)
     probes: dict[str, Any] = {}
     if args.pd:
         from hmoe_jax.serve.pd import PDCoordinator
 
-        backend = PDCoordinator(run.checkpoint, engine=engine_opts, decode_cap=args.max_num_seqs).wait_ready()
+        per_worker = _pd_devices(args.devices)
+        if args.system:  # the workers' auto thresholds, as the in-process engine's
+            from hmoe_jax.plan.system import load_system
+
+            engine_opts["system"] = load_system(args.system)
+        engine_opts["expert_fn"] = args.expert_fn
+        backend = PDCoordinator(
+            run.checkpoint, policy, engine=engine_opts, prefill_devices=per_worker, decode_devices=per_worker
+        ).wait_ready()
         probes["healthy"] = lambda: backend.healthy
         max_model_len = cache_len(max_len)
         close = backend.close
     else:
         from hmoe_jax.engine.engine import Engine
         from hmoe_jax.plan.system import SystemSpec, load_system
-        from hmoe_jax.policies.base import PolicyError
         from hmoe_jax.serve.scheduler import Scheduler
 
         devices = args.devices or 1
@@ -109,10 +162,7 @@ def build_state(args: argparse.Namespace, run: Any) -> tuple[ServerState, Callab
         eng = Engine(
             run.host_params, run.cfg, devices=devices, system=system, expert_fn=args.expert_fn, **engine_opts
         )
-        try:
-            backend = Scheduler(eng, args.policy, **_policy_options(args.policy_option)).start()
-        except PolicyError as e:
-            raise InputError(str(e)) from None
+        backend = Scheduler(eng, policy).start()
         pool = eng.pool
         probes.update(
             healthy=lambda: backend.healthy,

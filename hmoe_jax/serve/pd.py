@@ -8,12 +8,19 @@ this coordinator in the calling process, a request Backend like the in-process S
     print(list(h), h.request.meta["handover_s"])
     pd.close()
 
-A request: queued (FCFS) -> prefill worker (whole prompt, `schedule`, first token sampled
-there) -> its latent KV handed over through a shm segment (serve/kvshm.py; the segment is
-named here, so it can be discarded even when a worker dies holding it) -> decode worker
-(continuous batching up to decode_cap). The coordinator sends the next prompt when the
-previous one's first token is back and the decode side has room, so a long prefill never
-stalls running decodes (they are in another process, on another accelerator).
+P/D is a policy-driven mode like the in-process Scheduler: the request lifecycle, the View
+and the decision are the serving core's (policies/core.py), and this coordinator is its
+runner on the two workers. A request: queued -> the policy's Prefill runs on the prefill
+worker (whole prompt, the action's schedule, first token sampled there) -> its latent KV
+handed over through a shm segment (serve/kvshm.py; the segment is named here, so it can be
+discarded even when a worker dies holding it) -> decode worker (continuous batching: every
+adopted request in each step, so the policy's Decode actions need nothing sent). The policy
+is asked when the prefill worker is idle and a request waits (as the Scheduler waits for a
+foreground prefill), so a long prefill never stalls running decodes (they are in another
+process, on another accelerator). A policy that may ask for what the workers cannot run
+(chunks, multi-accelerator prefills, dual-batch or measured decode steps: the paper policy)
+is refused at construction (policies/core.check_pd_policy). The default, fcfs with
+schedule/decode_cap, is what this module ran before policies drove it.
 
 Failure: one thread waits on both workers' sockets, and a process's death closes its end,
 so a worker's death is seen as it happens (no heartbeat period). Its in-flight requests end with an error naming
@@ -43,11 +50,19 @@ from pathlib import Path
 from typing import Any
 
 from hmoe_jax.io.arena import DATA_NAME, arena_config, ensure_arena, is_arena, mapped_kb
-from hmoe_jax.model.generate import check_prompt
 from hmoe_jax.model.sampling import SamplingParams
+from hmoe_jax.policies.base import Decode, Policy, Prefill
+from hmoe_jax.policies.core import (
+    PLAIN_ACTIONS,
+    RequestState,
+    ServingCore,
+    action_kinds,
+    check_pd_policy,
+)
+from hmoe_jax.policies.registry import get_policy
 from hmoe_jax.serve import kvshm
 from hmoe_jax.serve.pd_worker import WorkerSpec
-from hmoe_jax.serve.request import Request, RequestHandle
+from hmoe_jax.serve.request import Request, RequestHandle, new_request
 
 ROLES = ("prefill", "decode")
 _tags = itertools.count()
@@ -89,42 +104,51 @@ class _Worker:
 
 @dataclasses.dataclass
 class _Entry:
+    """The runner's side of a request (its state lives in the core)."""
+
     handle: RequestHandle
-    stage: str = "queued"  # queued | prefill | decode | done
     segment: str = ""
-    cancelled: bool = False
+    cancelled: bool = False  # cancelled while its prompt was on the prefill worker
 
 
 class PDCoordinator:
-    """Options: prefill_devices / decode_devices (accelerators each worker owns: stand-in
-    CPU devices without GPUs), gpu_ids ({"prefill": (0,), "decode": (1,)}; default on a GPU
-    host: the first GPUs to prefill, the next to decode), engine
-    (Engine options for both workers: one precision, or the KV will not fit), schedule (the
-    prefill worker's: "auto", "slp", "cpu", ...), decode_cap (sequences decoded together),
-    max_restarts, touch_weights (fault every weight page in, for PSS measurements)."""
+    """Options: policy (a registered name or a Policy; default fcfs) and its options
+    (**policy_options: fcfs takes schedule, the prefill worker's "auto" / "slp" / "cpu" /
+    ..., and decode_cap, sequences decoded together), prefill_devices / decode_devices
+    (accelerators each worker owns: stand-in CPU devices without GPUs), gpu_ids
+    ({"prefill": (0,), "decode": (1,)}; default on a GPU host: the first GPUs to prefill,
+    the next to decode), engine (Engine options for both workers: one precision, or the KV
+    will not fit; max_batch defaults to the policy's decode_cap), max_restarts,
+    touch_weights (fault every weight page in, for PSS measurements). A policy P/D cannot
+    run raises PolicyError naming what it asks for."""
 
     def __init__(
         self,
         checkpoint: str | Path,
+        policy: str | Policy = "fcfs",
         *,
         prefill_devices: int = 1,
         decode_devices: int = 1,
         gpu_ids: dict[str, tuple[int, ...]] | None = None,
         engine: dict[str, Any] | None = None,
-        schedule: str = "auto",
-        decode_cap: int = 6,
         max_restarts: int = 5,
         touch_weights: bool = False,
+        **policy_options: Any,
     ):
+        policy = get_policy(policy, **policy_options) if isinstance(policy, str) else policy
+        check_pd_policy(policy)
         root = Path(checkpoint)
         self.arena = str(root if is_arena(root) else ensure_arena(root, progress=False))
         self.cfg = arena_config(self.arena)
         opts = dict(engine or {})
+        decode_cap = int(policy.options.get("decode_cap", opts.get("max_batch") or 8))
         opts.setdefault("max_batch", decode_cap)
         if opts["max_batch"] < decode_cap:
             raise ValueError(f"engine max_batch={opts['max_batch']} < decode_cap={decode_cap}")
         self.max_len = int(opts.get("max_len") or 4096)
-        self.schedule, self.decode_cap, self.max_restarts = schedule, int(decode_cap), int(max_restarts)
+        self.max_batch, self.max_restarts = int(opts["max_batch"]), int(max_restarts)
+        # the policy's accelerators: the prefill worker's lane and the decode worker's
+        self.core = ServingCore(policy, 2)
         self.tag = f"{os.getpid()}x{next(_tags)}"
         devs = {"prefill": prefill_devices, "decode": decode_devices}
         if gpu_ids is None and _gpu_count() >= prefill_devices + decode_devices:
@@ -139,7 +163,6 @@ class PDCoordinator:
         self._inbox: deque[_Entry] = deque()
         self._cancels: list[int] = []
         self._entries: dict[int, _Entry] = {}
-        self._queue: deque[int] = deque()
         self._in_prefill: int | None = None
         self._stats: dict[str, dict[str, Any]] = {}
         self._wake_r, self._wake_w = Pipe(duplex=False)
@@ -156,14 +179,8 @@ class PDCoordinator:
         """Queue a request; bad input raises ValueError here, naming the problem."""
         if self._closed:
             raise RuntimeError("P/D coordinator is closed")
-        params = (params or SamplingParams()).validate()
-        ids = check_prompt(self.cfg, prompt_ids, params.max_new_tokens)
-        if ids.size + params.max_new_tokens > self.max_len:
-            raise ValueError(
-                f"request: prompt ({ids.size} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
-                f"workers' KV row length of {self.max_len} tokens"
-            )
-        e = _Entry(RequestHandle(Request(ids, params, time.perf_counter()), self._cancel))
+        req = new_request(self.cfg, prompt_ids, params, self.max_len, time.perf_counter(), "the workers'")
+        e = _Entry(RequestHandle(req, self._cancel))
         with self._lock:
             self._inbox.append(e)
         self._wake()
@@ -187,6 +204,15 @@ class PDCoordinator:
     @property
     def healthy(self) -> bool:
         return all(w.state == "ready" for w in self.workers.values())
+
+    @property
+    def policy(self) -> Policy:
+        return self.core.policy
+
+    @property
+    def log(self) -> list[dict[str, Any]]:
+        """Per decision that ran something: the policy's actions (as Scheduler.log)."""
+        return self.core.log
 
     def pid(self, role: str) -> int | None:
         p = self.workers[role].proc
@@ -283,7 +309,7 @@ class PDCoordinator:
         if role == "prefill" and self._in_prefill is not None:
             lost, self._in_prefill = [self._in_prefill], None
         elif role == "decode":
-            lost = [r for r, e in self._entries.items() if e.stage == "decode"]
+            lost = self.core.in_state(RequestState.DECODING)
         for rid in lost:
             e = self._entries[rid]
             kvshm.discard(e.segment)
@@ -302,9 +328,8 @@ class PDCoordinator:
         self._lock.notify_all()
 
     def _fail_queue(self, why: str) -> None:
-        for rid in list(self._queue):
+        for rid in self.core.waiting():
             self._end(self._entries[rid], "error", why)
-        self._queue.clear()
 
     # ------------------------------------------------------------ the loop
 
@@ -334,11 +359,12 @@ class PDCoordinator:
                 while self._inbox:
                     e = self._inbox.popleft()
                     self._entries[e.handle.id] = e
-                    self._queue.append(e.handle.id)
+                    req = e.handle.request
+                    self.core.add(req.id, int(req.prompt.size), req.submitted_s)
                 cancels, self._cancels = self._cancels, []
                 for rid in cancels:
                     self._do_cancel(rid)
-                self._dispatch()
+                self._decide()
 
     def _drain(self, w: _Worker) -> None:
         """Read every message the worker sent (what it said before it died still counts);
@@ -381,8 +407,9 @@ class PDCoordinator:
         elif kind == "tokens":
             for rid, tok, t_s, reason in msg[1]:
                 e = self._entries.get(rid)
-                if e is None or e.stage != "decode":
+                if e is None or rid not in self.core or self.core[rid].state != RequestState.DECODING:
                     continue
+                self.core.decoded(t_s)
                 e.handle.emit(tok, t_s)
                 if reason is not None:
                     self._end(e, reason, t_s=t_s)
@@ -412,43 +439,57 @@ class PDCoordinator:
             kvshm.discard(meta.name)
             self._end(e, "error", f"decode worker is {d.state}; the request's KV was dropped")
             return
-        e.stage = "decode"
+        self.core.decoding(rid)
         d.conn.send(("adopt", rid, req.prompt, req.params, tok, meta))
 
-    def _dispatch(self) -> None:
-        """Send the next queued prompt when the prefill worker is idle and the decode side
-        has room for it."""
+    def _decide(self) -> None:
+        """Ask the policy when a request waits, the prefill worker is idle and both workers
+        are up; run its Prefill on the prefill worker. Its Decode needs nothing: the decode
+        worker steps every adopted request (the policy's cap bounds what it admits)."""
         p = self.workers["prefill"]
-        if self._in_prefill is not None or p.state != "ready" or not self._queue:
+        if self._in_prefill is not None or p.state != "ready" or not self.core.waiting():
             return
         if self.workers["decode"].state != "ready":
             return
-        decoding = sum(1 for e in self._entries.values() if e.stage == "decode")
-        if decoding >= self.decode_cap:
-            return
-        rid = self._queue.popleft()
-        e = self._entries[rid]
-        e.stage, e.segment = "prefill", kvshm.segment_name(self.tag, rid)
+        for a in self.core.decide(time.perf_counter(), self.max_batch - self.core.rows_held):
+            busy = isinstance(a, Prefill) and self._in_prefill is not None
+            if busy or not action_kinds(a) <= PLAIN_ACTIONS:
+                # only a policy that does not declare what it emits gets here (check_pd_policy)
+                why = (
+                    f"P/D: policy {self.policy.name!r} asked for {a}; the workers prefill whole prompts one "
+                    "at a time on the prefill worker and decode every request in one plain step"
+                )
+                for rid in a.requests if isinstance(a, Decode) else (a.request,):
+                    if rid in self._entries:
+                        self._end(self._entries[rid], "error", why)
+            elif isinstance(a, Prefill):
+                self._prefill(self._entries[a.request], a)
+
+    def _prefill(self, e: _Entry, a: Prefill) -> None:
+        rid = a.request
+        self.core.admit(rid)  # its row on the decode side, from now on
+        self.core.prefilling(rid, background=True)
+        e.segment = kvshm.segment_name(self.tag, rid)
         self._in_prefill = rid
         e.handle.request.started_s = time.perf_counter()
-        p.conn.send(
-            ("prefill", rid, e.handle.request.prompt, e.handle.request.params, e.segment, self.schedule)
-        )
+        req = e.handle.request
+        self.workers["prefill"].conn.send(("prefill", rid, req.prompt, req.params, e.segment, a.schedule))
 
     def _do_cancel(self, rid: int) -> None:
         e = self._entries.get(rid)
-        if e is None or e.stage == "done":
+        if e is None or rid not in self.core:
             return
-        if e.stage == "queued":
-            self._queue.remove(rid)
-        elif e.stage == "prefill":
+        state = self.core[rid].state
+        if state == RequestState.PREFILLING:
             e.cancelled = True  # _on_first discards the segment when the prompt is done
-        elif e.stage == "decode" and self.workers["decode"].state == "ready":
+        elif state == RequestState.DECODING and self.workers["decode"].state == "ready":
             self.workers["decode"].conn.send(("cancel", rid))
-        self._end(e, "cancelled", keep=e.stage == "prefill")
+        self._end(e, "cancelled", keep=state == RequestState.PREFILLING)
 
     def _end(self, e: _Entry, reason: str, error: str | None = None, *, t_s: float | None = None, keep=False):
-        e.stage = "done" if not keep else e.stage
+        """The request ends (it leaves the core); keep: its entry stays until the prefill
+        worker returns its first token (the segment is discarded then)."""
+        self.core.finish(e.handle.id)
         e.handle.finish(reason, time.perf_counter() if t_s is None else t_s, error)
         if not keep:
             self._entries.pop(e.handle.id, None)

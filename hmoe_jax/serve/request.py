@@ -25,7 +25,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from hmoe_jax.model.generate import check_prompt
 from hmoe_jax.model.sampling import SamplingParams
+from hmoe_jax.policies.core import check_fits
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 _ids = itertools.count()
@@ -70,6 +72,18 @@ class Request:
             "prompt_tokens": int(self.prompt.size),
             "output_tokens": len(self.tokens),
         }
+
+
+def new_request(
+    cfg: Any, prompt_ids: Any, params: SamplingParams | None, max_len: int, now_s: float, whose: str
+) -> Request:
+    """A validated Request, as every backend's submit makes one: sampling values, token ids
+    against cfg's vocabulary and context, prompt + max_new_tokens within `whose` KV row of
+    max_len tokens (policies/core.check_fits); else ValueError naming the problem."""
+    params = (params or SamplingParams()).validate()
+    ids = check_prompt(cfg, prompt_ids, params.max_new_tokens)
+    check_fits(int(ids.size), params.max_new_tokens, max_len, whose)
+    return Request(ids, params, now_s)
 
 
 class RequestHandle:

@@ -13,7 +13,8 @@ until every submitted request is finished.
 
 One iteration: take new requests and cancellations; adopt finished background prefills (copy
 their KV from the prefill lane's accelerator into their pool row, sample the first token);
-build the policy's View; run its actions in order (whole-prompt prefills, one chunk of a
+ask the serving core (policies/core.py: the request lifecycle, the View, the policy's
+decision; the P/D coordinator and the simulator run the same core); run the actions in order (whole-prompt prefills, one chunk of a
 short prompt, one decode step: plain, or dual-batch through engine/dual.py). A cancelled
 request's pool row is freed in the iteration that sees the cancel. An action that fails
 (bad input found late, a plan that does not fit) ends its request with an error naming the
@@ -29,21 +30,22 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from hmoe_jax.engine.dual import dual_step, layer_times, split_micro_batches
+from hmoe_jax.engine.dual import dual_step, split_micro_batches
 from hmoe_jax.engine.engine import Engine, SeqState
-from hmoe_jax.model.generate import check_prompt
 from hmoe_jax.model.sampling import SamplingParams
 from hmoe_jax.plan.buckets import cache_len
 from hmoe_jax.plan.trace import TraceRecorder
-from hmoe_jax.policies.base import Chunk, Decode, Pending, Policy, Prefill, View
+from hmoe_jax.policies.base import Chunk, Decode, Policy, Prefill
+from hmoe_jax.policies.core import RequestState, ServingCore
 from hmoe_jax.policies.registry import DEFAULT_POLICY, get_policy
-from hmoe_jax.serve.request import Request, RequestHandle
+from hmoe_jax.serve.request import Request, RequestHandle, new_request
 
 
 @dataclasses.dataclass
 class _Entry:
+    """The runner's side of a request (its state lives in the core)."""
+
     handle: RequestHandle
-    state: str = "waiting"  # waiting | chunking | background | decoding | done
     seq: SeqState | None = None
     lane: Any = None  # background prefill: (thread, result dict)
 
@@ -54,7 +56,11 @@ class _Entry:
 
 class Scheduler:
     """Options: policy (a registered name or a Policy), **policy_options; trace (a
-    TraceRecorder every step records into: Perfetto); clock (seconds; perf_counter)."""
+    TraceRecorder every step records into: Perfetto); clock (seconds; perf_counter).
+
+    The request lifecycle, the View and the decision are the serving core's
+    (policies/core.py, shared with the P/D coordinator and the simulator); this class is
+    its runner on the engine."""
 
     def __init__(
         self,
@@ -66,21 +72,37 @@ class Scheduler:
         **policy_options: Any,
     ):
         self.engine = engine
-        self.policy = get_policy(policy, **policy_options) if isinstance(policy, str) else policy
+        policy = get_policy(policy, **policy_options) if isinstance(policy, str) else policy
+        self.core = ServingCore(policy, engine.devices)
         self.trace, self.clock = trace, clock
         self._lock = threading.Condition()
         self._inbox: list[_Entry] = []
         self._cancels: list[int] = []
         self._entries: dict[int, _Entry] = {}
-        self._order: list[int] = []  # waiting / chunking ids, FCFS
         self._lanes: dict[tuple[int, ...], Engine] = {}
-        self.last_decode_s: float | None = None
-        self.layer_times: dict[int, tuple[float, float]] = {}
-        self.step_times: dict[tuple[int, int], float] = {}
-        self.iterations = 0
-        self.log: list[dict[str, Any]] = []  # per iteration: the actions run (experiments read it)
         self._thread: threading.Thread | None = None
         self._closed = False
+
+    @property
+    def policy(self) -> Policy:
+        return self.core.policy
+
+    @property
+    def log(self) -> list[dict[str, Any]]:
+        """Per iteration that ran something: its actions (experiments read it)."""
+        return self.core.log
+
+    @property
+    def iterations(self) -> int:
+        return self.core.iterations
+
+    @property
+    def step_times(self) -> dict[tuple[int, int], float]:
+        return self.core.step_times
+
+    @property
+    def last_decode_s(self) -> float | None:
+        return self.core.last_decode_s
 
     # ------------------------------------------------------------ request API
 
@@ -88,15 +110,9 @@ class Scheduler:
         """Queue a request; bad input raises ValueError here, naming the problem."""
         if self._closed:
             raise RuntimeError("scheduler is closed")
-        params = (params or SamplingParams()).validate()
-        ids = check_prompt(self.engine.cfg, prompt_ids, params.max_new_tokens)
-        need = ids.size + params.max_new_tokens
-        if need > self.engine.max_len:
-            raise ValueError(
-                f"request: prompt ({ids.size} tokens) + max_new_tokens ({params.max_new_tokens}) = {need} "
-                f"exceeds the engine's KV row length of {self.engine.max_len} tokens"
-            )
-        req = Request(ids, params, self.clock())
+        req = new_request(
+            self.engine.cfg, prompt_ids, params, self.engine.max_len, self.clock(), "the engine's"
+        )
         e = _Entry(RequestHandle(req, self._cancel))
         with self._lock:
             self._inbox.append(e)
@@ -116,9 +132,7 @@ class Scheduler:
     @property
     def busy(self) -> bool:
         with self._lock:
-            return bool(self._inbox or self._cancels) or any(
-                e.state != "done" for e in self._entries.values()
-            )
+            return bool(self._inbox or self._cancels) or self.core.busy
 
     # ------------------------------------------------------------ the loop
 
@@ -129,15 +143,11 @@ class Scheduler:
             cancels, self._cancels = self._cancels, []
         for e in new:
             self._entries[e.req.id] = e
-            self._order.append(e.req.id)
+            self.core.add(e.req.id, int(e.req.prompt.size), e.req.submitted_s)
         for rid in cancels:
             self._do_cancel(rid)
         ran = self._adopt_background()
-        view = self._view()
-        actions = self.policy.decide(view)
-        self.iterations += 1
-        if actions:
-            self.log.append({"t_s": view.now_s, "actions": [_describe(a) for a in actions]})
+        actions = self.core.decide(self.clock(), len(self.engine.pool.free_rows))
         for a in actions:
             ran = True
             if isinstance(a, Prefill):
@@ -184,40 +194,22 @@ class Scheduler:
             self._lock.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=30)
-        for e in list(self._entries.values()) + self._inbox:
-            if e.state != "done":
-                self._finish(e, "cancelled")
-
-    # ------------------------------------------------------------ views
-
-    def _view(self) -> View:
-        waiting = []
-        for rid in self._order:
-            e = self._entries[rid]
-            p = 0 if e.seq is None else e.seq.pos
-            waiting.append(Pending(rid, int(e.req.prompt.size), int(p), e.req.submitted_s))
-        return View(
-            now_s=self.clock(),
-            devices=self.engine.devices,
-            free_rows=len(self.engine.pool.free_rows),
-            waiting=tuple(waiting),
-            decoding=tuple(r for r, e in self._entries.items() if e.state == "decoding"),
-            background=tuple(r for r, e in self._entries.items() if e.state == "background"),
-            last_decode_s=self.last_decode_s,
-            layer_times=dict(self.layer_times),
-            step_times=dict(self.step_times),
-        )
+        for e in list(self._entries.values()):
+            self._finish(e, "cancelled")
+        for e in self._inbox:
+            e.handle.finish("cancelled", self.clock())
 
     # ------------------------------------------------------------ actions
 
     def _admit(self, e: _Entry) -> SeqState:
         e.seq = self.engine.admit(e.req.prompt, e.req.params)
+        self.core.admit(e.req.id)
         e.req.started_s = self.clock()
         return e.seq
 
     def _prefill(self, a: Prefill) -> None:
         e = self._entries[a.request]
-        self._order.remove(a.request)
+        self.core.prefilling(a.request, a.background)
         try:
             seq = self._admit(e)
             e.req.schedule = a.schedule
@@ -234,21 +226,20 @@ class Scheduler:
         e = self._entries[a.request]
         try:
             seq = e.seq if e.seq is not None else self._admit(e)
-            e.state, e.req.schedule = "chunking", "cpu (chunked)"
+            e.req.schedule = "cpu (chunked)"
             done = self.engine.prefill_seq(seq, "cpu", a.end, trace=self.trace)
         except Exception as ex:  # noqa: BLE001
-            self._order.remove(a.request)
             self._error(e, ex)
             return
+        self.core.chunked(a.request, int(seq.prompt.size) if done else int(seq.pos))
         if done:
-            self._order.remove(a.request)
             self._prefilled(e)
 
     def _prefilled(self, e: _Entry) -> None:
         """The first token exists: stream it; the request decodes from the next iteration."""
         seq = e.seq
         e.handle.emit(seq.tokens[-1], self.clock())
-        e.state = "decoding"
+        self.core.decoding(e.req.id)
         if seq.done:
             self._finish(e, seq.finish_reason)
 
@@ -277,13 +268,14 @@ class Scheduler:
                     self._lock.notify_all()
 
         t = threading.Thread(target=work, name=f"hmoe-prefill-{e.req.id}", daemon=True)
-        e.state, e.lane = "background", (t, out)
+        e.lane = (t, out)
         t.start()
 
     def _adopt_background(self) -> bool:
         ran = False
-        for e in list(self._entries.values()):
-            if e.state != "background" or not e.lane[1].get("done"):
+        for rid in self.core.in_state(RequestState.PREFILLING):
+            e = self._entries[rid]
+            if not e.lane[1].get("done"):
                 continue
             e.lane[0].join()
             ran = True
@@ -306,6 +298,8 @@ class Scheduler:
     def _decode(self, a: Decode) -> None:
         entries = [self._entries[r] for r in a.requests]
         seqs = [e.seq for e in entries]
+        # a measured step runs traced, as the dual arm's does, so the two arms the policy
+        # compares carry the same tracing cost
         trace = TraceRecorder() if a.measure else self.trace
         t_step = time.perf_counter()
         try:
@@ -323,33 +317,22 @@ class Scheduler:
                 self._error(e, ex)
             return
         now = self.clock()
-        self.last_decode_s = now
         if a.measure:
             arm = (len(seqs), 2 if a.micro_batches >= 2 and len(seqs) >= 2 else 1)
-            self.step_times[arm] = time.perf_counter() - t_step
-            self._record_layer_times(trace)
+            self.core.decoded(now, arm, time.perf_counter() - t_step)
+        else:
+            self.core.decoded(now)
         for e in entries:
             e.handle.emit(e.seq.tokens[-1], now)
             if e.seq.done:
                 self._finish(e, e.seq.finish_reason)
 
-    def _record_layer_times(self, trace: TraceRecorder) -> None:
-        for i, p in enumerate(trace.meta.get("plans", [])):
-            try:
-                self.layer_times[int(p.get("batch", 1))] = layer_times(trace, i)
-            except ValueError:
-                pass  # no MoE layer (a dense model): nothing to overlap
-
     # ------------------------------------------------------------ endings
 
     def _do_cancel(self, rid: int) -> None:
         e = self._entries.get(rid)
-        if e is None:  # still in the inbox of a concurrent submit: cannot happen after step's swap
+        if e is None:  # already finished (or still in the inbox: cannot happen after step's swap)
             return
-        if e.state == "done":
-            return
-        if rid in self._order:
-            self._order.remove(rid)
         if e.seq is not None and not e.seq.done:
             self.engine.cancel(e.seq)  # frees the pool row now (a background lane's copy is dropped)
         self._finish(e, "cancelled")
@@ -360,7 +343,8 @@ class Scheduler:
         self._finish(e, "error", f"{type(ex).__name__}: {ex}")
 
     def _finish(self, e: _Entry, reason: str, error: str | None = None) -> None:
-        e.state, e.lane = "done", None
+        self.core.finish(e.req.id)
+        e.lane = None
         if e.seq is not None:
             e.req.meta.setdefault("schedule", e.seq.schedule)
             e.req.meta.setdefault("prefill_s", e.seq.prefill_s)
@@ -369,15 +353,7 @@ class Scheduler:
 
     def _fail_all(self, why: str) -> None:
         for e in list(self._entries.values()):
-            if e.req.id in self._order:
-                self._order.remove(e.req.id)
             self._error(e, RuntimeError(why))
-
-
-def _describe(a: Any) -> dict[str, Any]:
-    d = dataclasses.asdict(a)
-    d["kind"] = type(a).__name__.lower()
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
 
 
 __all__ = ["Scheduler"]

@@ -1,32 +1,35 @@
-"""Serving on a simulated clock: the request scheduler's own policies drive the simulator.
+"""Serving on a simulated clock: the serving core (policies/core.py) with a runner on
+sim/events.Simulator's clock.
 
-One policy implementation, two clocks. serve/scheduler.py asks a policy (hmoe_jax.policies)
-what to run each iteration and runs it on the engine against the wall clock; SimServer asks
-the SAME policy object the same question, with a View built the same way, and runs the
-answer as the engine's own plans (built by the engine's schedules for the profile's box) on
-sim/events.Simulator's clock. The loop mirrors Scheduler.step:
+One serving core, two clocks. The request lifecycle, the View a policy sees and the decision
+are policies/core.ServingCore's, the same code serve/scheduler.py (the engine, wall clock)
+and serve/pd.py (the P/D workers) run; this runner executes the same policy's actions as the
+engine's own plans (built by the engine's schedules for the profile's box). One iteration,
+as Scheduler.step:
 
 1. take the requests that have arrived and the cancellations that are due;
 2. adopt finished background prefills (their KV copied into the request's pool row, then
    the first token);
-3. build the View (free pool rows, waiting requests FCFS with the prompt tokens already
-   chunked, decoding, background, last decode time, measured per-layer (A, M) times);
+3. ask the core (View: free pool rows, the queue FCFS with the prompt tokens already
+   chunked, decoding, background, last decode time, measured decode step times);
 4. run the actions in order: a foreground Prefill or a Chunk runs to its end before the
    next action (the scheduler waits for it); a background Prefill is submitted on its
    accelerators and runs on while later iterations decode (it shares the host's DRAM and
    cores, and the link, with them: the simulator's resources); a Decode is one step of the
    cpu schedule's decode plan for its rows (two micro-batches: two plans sharing one lock
-   per resource, as engine/dual.py runs them); measure=True reads the step's per-layer
-   accelerator and CPU-expert times off the simulated timeline, as the scheduler reads them
-   off its trace.
+   per resource, as engine/dual.py runs them); measure=True records the step's simulated
+   seconds for the policy, as the scheduler records its measured ones.
    When nothing ran, the clock moves to the next arrival, cancellation, handover or
    background prefill end.
 
-`pd=True` is intra-node P/D disaggregation (serve/pd.py): every prompt is prefilled by a
-prefill worker on accelerator 1 (one at a time, FCFS, `pd_schedule`), whose first token
-streams at once; its KV cache is handed over (exported and imported through host shared
-memory: priced as two host copies of the KV bytes, plus device copies on a real
-accelerator), and the request joins the decode worker's batch on accelerator 0.
+`pd=True` is intra-node P/D disaggregation (serve/pd.py) driven by the same policies: every
+Prefill runs on the prefill worker on accelerator 1 (so it never stalls decoding), whose
+first token streams at once; its KV cache is handed over (exported and imported through
+host shared memory: priced as two host copies of the KV bytes, plus device copies on a real
+accelerator), and the request joins the decode worker's batch on accelerator 0. A policy
+that may ask for what P/D cannot run (chunks, dual-batch decode, ...) is refused
+(policies/core.check_pd_policy); fcfs with schedule=... is what serve/pd.py ran before
+policies drove it.
 
 Requests have forced output lengths (the replay of a measured run gives each request the
 tokens it produced), so simulated and measured requests do the same work.
@@ -44,7 +47,17 @@ from hmoe_jax.plan import costs
 from hmoe_jax.plan.format import Plan
 from hmoe_jax.plan.profile import Profile
 from hmoe_jax.plan.trace import attention_moe_split
-from hmoe_jax.policies.base import Chunk, Decode, Pending, Policy, Prefill, View
+from hmoe_jax.policies.base import Chunk, Decode, Policy, PolicyError, Prefill
+from hmoe_jax.policies.core import (
+    PLAIN_ACTIONS,
+    AdmissionError,
+    RequestState,
+    ServingCore,
+    Tracked,
+    action_kinds,
+    check_fits,
+    check_pd_policy,
+)
 from hmoe_jax.policies.registry import DEFAULT_POLICY, get_policy
 from hmoe_jax.sim.events import SimError, Simulator
 from hmoe_jax.sim.pricing import pricer
@@ -64,24 +77,22 @@ class SimRequest:
     def check(self, cfg: ModelConfig, max_len: int) -> SimRequest:
         if self.prompt_tokens < 1 or self.output_tokens < 1 or self.arrival_s < 0:
             raise SimError(f"sim request: {self} (prompt and output need >= 1 token, arrival >= 0)")
-        if self.prompt_tokens + self.output_tokens > max_len:
-            raise SimError(
-                f"sim request: prompt {self.prompt_tokens} + output {self.output_tokens} tokens exceed "
-                f"the KV row length of {max_len}"
-            )
+        try:
+            check_fits(self.prompt_tokens, self.output_tokens, max_len, "the")
+        except AdmissionError as e:
+            raise SimError(f"sim {e}") from None
         return self
 
 
 @dataclasses.dataclass
 class SimResult:
-    """One request as the simulated server ran it (times in simulated seconds)."""
+    """One request as the simulated server ran it (times in simulated seconds). Its state
+    and chunked prompt tokens are the serving core's (policies/core.Tracked)."""
 
     id: int
     arrival_s: float
     prompt_tokens: int
     output_tokens: int
-    state: str = "waiting"  # waiting | chunking | background | handover | decoding | done
-    prefilled: int = 0
     started_s: float | None = None
     first_token_s: float | None = None
     token_s: list[float] = dataclasses.field(default_factory=list)
@@ -89,6 +100,15 @@ class SimResult:
     finish_reason: str | None = None
     schedule: str = ""
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+    tracked: Tracked | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def state(self) -> RequestState:
+        return RequestState.WAITING if self.tracked is None else self.tracked.state
+
+    @property
+    def prefilled(self) -> int:
+        return 0 if self.tracked is None else self.tracked.prefilled
 
     def timings(self) -> dict[str, Any]:
         """As Request.timings(): queue_s, ttft_s, tpot_s (mean gap after the first), e2e_s."""
@@ -104,36 +124,21 @@ class SimResult:
         }
 
 
-class _PDPolicy(Policy):
-    """What serve/pd.py does, as a policy the loop can run: the prefill worker takes the
-    oldest waiting request when it is free; the decode worker batches up to decode_cap."""
-
-    name = "pd"
-    defaults = {"decode_cap": 6, "schedule": "slp"}
-
-    def decide(self, view: View) -> tuple:
-        acts: list = []
-        if view.waiting and not view.background and view.free_rows > 0:
-            acts.append(Prefill(view.waiting[0].id, str(self.options["schedule"]), (1,), background=True))
-        if view.decoding:
-            acts.append(Decode(view.decoding[: int(self.options["decode_cap"])]))
-        return tuple(acts)
-
-
 class SimServer:
     """A simulated serving engine on `profile` (its accelerator count unless `devices`).
 
     max_batch / max_len: the KV pool (rows, tokens per row) the engine would have;
     kv_value_bytes: bytes per cached value (2: the bf16 policy). policy: a registered name
-    or a Policy (options as for Scheduler); pd: P/D disaggregation instead (pd_schedule for
-    every prefill, decode_cap from the options). last_decode_s: the server's history (the
-    paper policy's idle window reads it; None: it never decoded)."""
+    or a Policy (options as for Scheduler; default: paper, fcfs with pd). pd: P/D
+    disaggregation as serve/pd.py runs it (every prefill on the prefill worker, accelerator
+    1; decode on accelerator 0; a policy P/D cannot run is refused). last_decode_s: the
+    server's history (the paper policy's idle window reads it; None: it never decoded)."""
 
     def __init__(
         self,
         cfg: ModelConfig,
         profile: Profile,
-        policy: str | Policy = DEFAULT_POLICY,
+        policy: str | Policy | None = None,
         *,
         devices: int | None = None,
         max_batch: int = 8,
@@ -141,21 +146,23 @@ class SimServer:
         expert_format: str = "fp8",
         kv_value_bytes: int = 2,
         pd: bool = False,
-        pd_schedule: str = "slp",
         last_decode_s: float | None = None,
         **policy_options: Any,
     ):
         self.cfg = cfg
         self.devices = int(devices or profile.accelerators)
         self.profile = profile.with_accelerators(self.devices)
+        if policy is None:
+            policy = "fcfs" if pd else DEFAULT_POLICY
+        pol = get_policy(policy, **policy_options) if isinstance(policy, str) else policy
         if pd:
             if self.devices < 2:
                 raise SimError("sim P/D: needs 2 accelerators (a prefill and a decode worker)")
-            self.policy: Policy = _PDPolicy(schedule=pd_schedule, **policy_options)
-        elif isinstance(policy, str):
-            self.policy = get_policy(policy, **policy_options)
-        else:
-            self.policy = policy
+            try:
+                check_pd_policy(pol)
+            except PolicyError as e:
+                raise SimError(f"sim {e}") from None
+        self.core = ServingCore(pol, self.devices, last_decode_s=last_decode_s)
         self.pd = pd
         self.max_batch, self.max_len = int(max_batch), int(max_len)
         self.expert_format = expert_format
@@ -176,11 +183,24 @@ class SimServer:
         self.step_s = float(self.profile.get("overheads", "step_s", 0.0))
         self._sub: dict[int, Profile] = {}
         self._plans: dict[tuple, tuple[Plan, str | None]] = {}
-        self.layer_times: dict[int, tuple[float, float]] = {}
-        self.step_times: dict[tuple[int, int], float] = {}
-        self.last_decode_s = last_decode_s  # 0.0: start as a server that has just decoded
-        self.log: list[dict[str, Any]] = []
         self.no_fit: list[str] = []
+
+    @property
+    def policy(self) -> Policy:
+        return self.core.policy
+
+    @property
+    def log(self) -> list[dict[str, Any]]:
+        """Per iteration that decided something: its actions (as Scheduler.log)."""
+        return self.core.log
+
+    @property
+    def step_times(self) -> dict[tuple[int, int], float]:
+        return self.core.step_times
+
+    @property
+    def last_decode_s(self) -> float | None:
+        return self.core.last_decode_s
 
     # ------------------------------------------------------------ plans
 
@@ -238,23 +258,17 @@ class SimServer:
         results = [SimResult(i, r.arrival_s, r.prompt_tokens, r.output_tokens) for i, r in enumerate(reqs)]
         arrivals = sorted(range(len(reqs)), key=lambda i: (reqs[i].arrival_s, i))
         cancels = sorted((r.cancel_s, i) for i, r in enumerate(reqs) if r.cancel_s is not None)
-        order: list[int] = []  # waiting / chunking, FCFS
-        live: dict[int, SimResult] = {}
+        core = self.core
+        core.clear()  # a run that stopped early left requests behind
         lanes: dict[int, int] = {}  # request -> its background run
         ready: dict[int, float] = {}  # P/D: request -> when its handed-over KV is in place
-        rows_used = 0
         sim = self.sim
 
         def finish(r: SimResult, reason: str) -> None:
-            nonlocal rows_used
-            if r.started_s is not None:  # admitted: it holds a pool row
-                rows_used -= 1
-            r.state, r.finish_reason, r.finished_s = "done", reason, sim.now_s
-            live.pop(r.id, None)
+            core.finish(r.id)  # releases its pool row
+            r.finish_reason, r.finished_s = reason, sim.now_s
             lanes.pop(r.id, None)
             ready.pop(r.id, None)
-            if r.id in order:
-                order.remove(r.id)
 
         def emit(r: SimResult) -> None:
             r.token_s.append(sim.now_s)
@@ -263,9 +277,12 @@ class SimServer:
             if len(r.token_s) >= r.output_tokens:
                 finish(r, "length")
 
+        def first_token(r: SimResult) -> None:
+            core.decoding(r.id)
+            emit(r)
+
         def admit(r: SimResult) -> None:
-            nonlocal rows_used
-            rows_used += 1
+            core.admit(r.id)
             r.started_s = sim.now_s
 
         for _ in range(max_iterations):
@@ -274,11 +291,10 @@ class SimServer:
             now = sim.now_s
             while arrivals and reqs[arrivals[0]].arrival_s <= now + 1e-12:
                 i = arrivals.pop(0)
-                live[i] = results[i]
-                order.append(i)
+                results[i].tracked = core.add(i, results[i].prompt_tokens, results[i].arrival_s)
             while cancels and cancels[0][0] <= now + 1e-12:
                 _, i = cancels.pop(0)
-                if results[i].state != "done" and i in live:
+                if i in core:
                     finish(results[i], "cancelled")
             ran = False
             for i, rid in list(lanes.items()):  # adopt finished background prefills
@@ -290,32 +306,36 @@ class SimServer:
                 if self.pd:  # the prefill worker streams the first token, then hands the KV over
                     sim.run_until(t_s=sim.now_s + self.step_s)
                     emit(r)
-                    if r.state != "done":
-                        r.state = "handover"
+                    if i in core:
+                        core.handover(i)
                         ready[i] = sim.now_s + self._kv_move_s(r.prompt_tokens, True)
                     continue
                 sim.run_until(t_s=sim.now_s + self._kv_move_s(r.prompt_tokens, False) + self.step_s)
-                r.state = "decoding"
-                emit(r)
+                first_token(r)
             for i, t in list(ready.items()):
                 if t <= sim.now_s + 1e-12:
                     del ready[i]
-                    results[i].state = "decoding"
-            view = self._view(results, order, live, rows_used)
-            actions = self.policy.decide(view)
-            if actions:
-                self.log.append({"t_s": view.now_s, "actions": [_describe(a) for a in actions]})
-            for a in actions:
+                    core.decoding(i)
+            for a in core.decide(sim.now_s, self.max_batch - core.rows_held):
                 ran = True
-                r = results[a.request] if not isinstance(a, Decode) else None
+                if self.pd and not action_kinds(a) <= PLAIN_ACTIONS:
+                    raise SimError(
+                        f"sim P/D: policy {self.policy.name!r} asked for {a}, which P/D cannot run"
+                    )
+                if isinstance(a, Decode):
+                    self._decode([results[i] for i in a.requests], a, emit)
+                    continue
+                r = results[a.request]
                 if isinstance(a, Prefill):
-                    order.remove(a.request)
                     admit(r)
+                    background, devices = a.background, tuple(a.devices)
+                    if self.pd:  # every prefill runs on the prefill worker (accelerator 1)
+                        background, devices = True, (1,)
+                    core.prefilling(a.request, background)
                     r.schedule = a.schedule
-                    if a.background:  # a prefill lane: an engine view on those accelerators
-                        plan = self._plan(a.schedule, len(a.devices), r.prompt_tokens)
-                        lanes[a.request] = sim.submit(plan, devices=tuple(a.devices), label=f"prefill{r.id}")
-                        r.state = "background"
+                    if background:  # a prefill lane: an engine view on those accelerators
+                        plan = self._plan(a.schedule, len(devices), r.prompt_tokens)
+                        lanes[a.request] = sim.submit(plan, devices=devices, label=f"prefill{r.id}")
                         r.schedule = plan.schedule
                         continue
                     # the engine's own prefill: every accelerator it has (slp/cpu use one)
@@ -323,22 +343,16 @@ class SimServer:
                     r.schedule = plan.schedule
                     sim.run_until(rid=sim.submit(plan, label=f"prefill{r.id}"))
                     sim.run_until(t_s=sim.now_s + self.step_s)
-                    r.state, r.prefilled = "decoding", r.prompt_tokens
-                    emit(r)
+                    first_token(r)
                 elif isinstance(a, Chunk):
                     if r.started_s is None:
                         admit(r)
-                    r.state, r.schedule = "chunking", "cpu (chunked)"
+                    r.schedule = "cpu (chunked)"
                     plan = self._plan("cpu", 1, a.end - r.prefilled, r.prefilled)
                     sim.run_until(rid=sim.submit(plan, label=f"chunk{r.id}"))
-                    r.prefilled = a.end
-                    if a.end >= r.prompt_tokens:
-                        order.remove(a.request)
+                    if core.chunked(a.request, a.end):
                         sim.run_until(t_s=sim.now_s + self.step_s)
-                        r.state = "decoding"
-                        emit(r)
-                elif isinstance(a, Decode):
-                    self._decode([results[i] for i in a.requests], a, emit)
+                        first_token(r)
             if not ran:
                 nxt = [reqs[arrivals[0]].arrival_s] if arrivals else []
                 nxt += [cancels[0][0]] if cancels else []
@@ -348,10 +362,10 @@ class SimServer:
                     sim.run_until_any(list(lanes.values()), t_s=t_next)
                 elif t_next is not None:
                     sim.run_until(t_s=t_next)
-                elif live:
+                elif core.busy:
                     raise SimError(
                         f"sim serve: policy {self.policy.name!r} runs nothing with requests "
-                        f"{sorted(live)} left and nothing to wait for"
+                        f"{sorted(core.requests)} left and nothing to wait for"
                     )
                 else:
                     return results
@@ -364,22 +378,6 @@ class SimServer:
         solo = Simulator(self._price)
         rids = [solo.submit(p, group="step") for p in plans]
         return max(solo.run_until(rid=r) for r in rids), solo, rids
-
-    def _view(self, results, order, live, rows_used) -> View:
-        return View(
-            now_s=self.sim.now_s,
-            devices=self.devices,
-            free_rows=self.max_batch - rows_used,
-            waiting=tuple(
-                Pending(i, results[i].prompt_tokens, results[i].prefilled, results[i].arrival_s)
-                for i in order
-            ),
-            decoding=tuple(i for i, r in live.items() if r.state == "decoding"),
-            background=tuple(i for i, r in live.items() if r.state == "background"),
-            last_decode_s=self.last_decode_s,
-            layer_times=dict(self.layer_times),
-            step_times=dict(self.step_times),
-        )
 
     def _decode(self, rows: list[SimResult], a: Decode, emit) -> None:
         sim = self.sim
@@ -404,17 +402,10 @@ class SimServer:
                 sim.run_until(rid=rid)
             sim.run_until(t_s=sim.now_s + self.step_s)
             if a.measure:
-                self.step_times[(len(rows), len(groups))] = sim.now_s - t0
-                for g, rid in zip(groups, rids):
-                    self.layer_times[len(g)] = layer_times(sim.timeline(rid))
-        self.last_decode_s = sim.now_s
+                self.core.decoded(sim.now_s, (len(rows), len(groups)), sim.now_s - t0)
+        self.core.decoded(sim.now_s)
         for r in rows:
             emit(r)
-
-
-def _describe(a: Any) -> dict[str, Any]:
-    """An action as the scheduler logs it (kind + fields)."""
-    return {**dataclasses.asdict(a), "kind": type(a).__name__.lower()}
 
 
 def layer_times(timeline: list[dict[str, Any]]) -> tuple[float, float]:
