@@ -25,11 +25,11 @@ import pytest
 
 from hmoe_jax.config import named_model_config
 from hmoe_jax.model.sampling import SamplingParams
+from hmoe_jax.plan.profile import load_profile
 from hmoe_jax.policies.base import PolicyError
 from hmoe_jax.policies.core import AdmissionError, RequestState, ServingCore, check_fits
 from hmoe_jax.policies.registry import get_policy
 from hmoe_jax.sim.events import SimError
-from hmoe_jax.sim.profile import load_profile
 from hmoe_jax.sim.serve import SimRequest, SimServer
 
 ROOT = Path(__file__).resolve().parents[1]
