@@ -92,7 +92,8 @@ def expert_bytes(fmt: str) -> int:
 
 @functools.cache
 def kt_extension(best_isa: str) -> Any | None:
-    """kt-kernel's compiled extension for this CPU, or None when not installed."""
+    """kt-kernel's compiled extension for this CPU, or None when not installed (best_isa:
+    "amx" when the CPU has AMX, which kt-kernel has kernels for, else ours)."""
     spec = importlib.util.find_spec("kt_kernel")
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -312,7 +313,7 @@ def main(argv: list[str] | None = None) -> dict:
         flush=True,
     )
 
-    ext = kt_extension(feats["best_isa"])
+    ext = kt_extension("amx" if feats.get("amx_bf16") else feats["best_isa"])
     kt_layers = [KtFp8Moe(ext, threads, h, max_len=max(ms)) for h in kt_host] if ext is not None else []
     kt_version = None
     if ext is not None:

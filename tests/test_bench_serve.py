@@ -1,6 +1,6 @@
 """`hmoe bench serve` (issue 14): vLLM's metric definitions and key names, checked on exact
 synthetic inputs, and its timing checked against a scripted fake server with known delays
-(hmoe_jax/bench/fake.py, a separate process that records when it sent each chunk on the
+(tests/fake_server.py, a separate process that records when it sent each chunk on the
 same monotonic clock): TTFT / TPOT / ITL to under 1 ms. The bench is an HTTP client only:
 running it must not import jax."""
 
@@ -95,8 +95,7 @@ def fake(tmp_path_factory):
     log = tmp_path_factory.mktemp("fake") / "fake.log"
     cmd = [
         sys.executable,
-        "-m",
-        "hmoe_jax.bench.fake",
+        str(Path(__file__).with_name("fake_server.py")),  # test-only: not shipped in the package
         "--ttft-s",
         str(TTFT_S),
         "--itl-s",

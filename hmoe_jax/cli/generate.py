@@ -20,10 +20,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hmoe_jax.cli.run import Run, add_run_args, build_run, check_context, prompt_ids
+from hmoe_jax.cli.run import (
+    DEFAULT_MAX_NEW_TOKENS,
+    Run,
+    add_run_args,
+    build_run,
+    check_context,
+    prompt_ids,
+)
 from hmoe_jax.io.errors import InputError
-
-DEFAULT_MAX_NEW_TOKENS = 32
 
 
 def _warmup(run: Run, ids: list[int], max_new_tokens: int, temperature: float, top_p: float) -> float:

@@ -23,11 +23,11 @@ import argparse
 import json
 from typing import Any
 
+from hmoe_jax.cli.run import DEFAULT_MAX_NEW_TOKENS
 from hmoe_jax.config import ConfigError, ModelConfig, load_config, named_model_config
 from hmoe_jax.io.errors import InputError
 
 EXIT_DOES_NOT_FIT = 3
-DEFAULT_NEW_TOKENS = 32  # hmoe generate's default --max-new-tokens
 KEY_BLOCK = 512  # model/attention.py's default key block
 
 
@@ -49,7 +49,7 @@ def add_plan_parser(sub: Any) -> None:
         "--max-len",
         type=int,
         default=None,
-        help=f"tokens per KV pool row (default: prompt + {DEFAULT_NEW_TOKENS} new tokens, rounded up to the "
+        help=f"tokens per KV pool row (default: prompt + {DEFAULT_MAX_NEW_TOKENS} new tokens, rounded up to the "
         f"{KEY_BLOCK}-token attention key block, at most max_position_embeddings)",
     )
     p.add_argument(
@@ -77,7 +77,7 @@ def _model(args: argparse.Namespace) -> tuple[ModelConfig, str]:
 
 
 def default_max_len(cfg: ModelConfig, prompt_len: int) -> int:
-    want = -(-(prompt_len + DEFAULT_NEW_TOKENS) // KEY_BLOCK) * KEY_BLOCK
+    want = -(-(prompt_len + DEFAULT_MAX_NEW_TOKENS) // KEY_BLOCK) * KEY_BLOCK
     return max(prompt_len, min(want, cfg.max_position_embeddings))
 
 

@@ -18,6 +18,9 @@ from typing import Any
 from hmoe_jax.config import ModelConfig
 from hmoe_jax.io.errors import InputError
 
+# hmoe generate's default --max-new-tokens; hmoe plan sizes its default KV row with it
+DEFAULT_MAX_NEW_TOKENS = 32
+
 
 @dataclasses.dataclass
 class Run:

@@ -30,7 +30,7 @@ from hmoe_jax.quant.fp8 import Fp8Tensor, dequantize
 
 _TARGET = "hmoe_moe_experts"
 _SCHEDULES = {"fine": 0, "coarse": 1}
-_ISAS = {"portable": 0, "avx2": 1, "avx512": 2, "amx": 3}
+_ISAS = {"portable": 0, "avx2": 1, "avx512": 2}  # the ISAs with kernels (no AMX kernel)
 _FP8, _INT4 = 0, 1
 STATS_LEN = 13  # xla_ffi/src/moe_ffi.cc, enum Stat
 STAT_NAMES = (

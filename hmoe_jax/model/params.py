@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 from flax import struct
 
 from hmoe_jax.quant.fp8 import Fp8Tensor
@@ -80,8 +79,3 @@ class ModelParams:
     layers: tuple[LayerParams, ...]
     norm: Array  # [D]
     lm_head: Weight  # [V, D]
-
-
-def param_bytes(tree: Any) -> int:
-    """Bytes held by the leaves of a params pytree (FP8 counts one byte per weight)."""
-    return sum(int(x.size) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))

@@ -24,11 +24,6 @@ def expert_bytes(cfg: ModelConfig) -> int:
     return 2 * _w_bytes(cfg, i, d) + _w_bytes(cfg, d, i)
 
 
-def shared_bytes(cfg: ModelConfig) -> int:
-    d, i = cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts
-    return 0 if not cfg.n_shared_experts else 2 * _w_bytes(cfg, i, d) + _w_bytes(cfg, d, i)
-
-
 def expert_flops(cfg: ModelConfig, rows: int) -> int:
     """`rows` token-expert assignments through one expert's SwiGLU."""
     return 2 * rows * 3 * cfg.hidden_size * cfg.moe_intermediate_size

@@ -92,16 +92,6 @@ class Plan:
     def resources(self) -> list[str]:
         return sorted({op.resource for op in self.ops})
 
-    def totals(self) -> dict[str, dict[str, int]]:
-        """Per resource: ops, bytes, flops (what a simulator needs first)."""
-        out: dict[str, dict[str, int]] = {}
-        for op in self.ops:
-            t = out.setdefault(op.resource, {"ops": 0, "bytes": 0, "flops": 0})
-            t["ops"] += 1
-            t["bytes"] += op.bytes
-            t["flops"] += op.flops
-        return out
-
     def kind_counts(self) -> Counter:
         return Counter(op.kind for op in self.ops)
 

@@ -140,7 +140,12 @@ def _source_digest(w: Any) -> str:
 def cached_quantize_int4(w: Any, cache_dir: str | os.PathLike, name: str, group: int = 64) -> Int4Tensor:
     """quantize_int4_np(w, group), stored under cache_dir/name with orbax-checkpoint; a later
     call with the same source tensor restores it instead of converting again."""
-    import orbax.checkpoint as ocp
+    try:
+        import orbax.checkpoint as ocp
+    except ImportError:
+        raise ImportError(
+            "cached_quantize_int4 needs orbax-checkpoint: pip install 'hmoe-jax[int4cache]'"
+        ) from None
 
     path = os.path.abspath(os.path.join(os.fspath(cache_dir), name))
     digest = _source_digest(w)

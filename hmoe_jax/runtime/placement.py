@@ -21,7 +21,6 @@ import jax
 import numpy as np
 
 from hmoe_jax.model.params import ExpertsParams, ModelParams, MoEParams
-from hmoe_jax.quant.fp8 import Fp8Tensor
 from hmoe_jax.quant.hostmem import aligned_empty, is_aligned
 
 
@@ -131,12 +130,3 @@ def split_experts(params: ModelParams) -> tuple[ModelParams, list[ExpertsParams 
 def put(tree: Any, device: jax.Device) -> Any:
     """device_put a pytree (zero-copy on CPU devices for aligned numpy leaves)."""
     return jax.device_put(tree, device)
-
-
-def expert_leaf_ptrs(experts: ExpertsParams) -> list[int]:
-    leaves = jax.tree_util.tree_leaves(experts, is_leaf=lambda x: isinstance(x, Fp8Tensor))
-    out = []
-    for w in leaves:
-        for a in [w.w, w.scale_inv] if isinstance(w, Fp8Tensor) else [w]:
-            out.append(np.asarray(a).ctypes.data)
-    return out

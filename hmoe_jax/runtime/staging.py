@@ -62,7 +62,6 @@ def _lib() -> ctypes.CDLL:
         "hmoe_ring_bytes_copied": (u64, [vp]),
         "hmoe_ring_fills_done": (u64, [vp]),
         "hmoe_ring_last_error": (ctypes.c_char_p, []),
-        "hmoe_monotonic_ns": (ctypes.c_int64, []),
         "hmoe_ring_bind_device": (ctypes.c_int, [vp, u64, ctypes.c_int]),
         "hmoe_ring_set_pinned": (ctypes.c_int, [vp, ctypes.c_int]),
     }
@@ -115,11 +114,6 @@ def _register_cuda_put() -> None:
     hffi.register_all()
     handler = hffi.extension().registrations()["hmoe_staging_put_cuda"]
     jax.ffi.register_ffi_target("hmoe_staging_put", handler, platform="CUDA")
-
-
-def monotonic_ns() -> int:
-    """The C++ copy threads' clock (CLOCK_MONOTONIC, same as time.perf_counter_ns on Linux)."""
-    return int(_lib().hmoe_monotonic_ns())
 
 
 @dataclasses.dataclass(frozen=True)

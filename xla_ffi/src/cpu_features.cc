@@ -45,7 +45,6 @@ Isa select_isa(int max_isa) {
   Isa best = Isa::kPortable;
   if (f.avx2) best = Isa::kAvx2;
   if (f.avx512) best = Isa::kAvx512;
-  if (f.amx_bf16) best = Isa::kAmx;
   if (max_isa >= 0 && static_cast<int>(best) > max_isa) best = static_cast<Isa>(max_isa);
   return best;
 }
@@ -55,7 +54,6 @@ const char* isa_name(Isa isa) {
     case Isa::kPortable: return "portable";
     case Isa::kAvx2: return "avx2";
     case Isa::kAvx512: return "avx512";
-    case Isa::kAmx: return "amx";
   }
   return "unknown";
 }

@@ -5,17 +5,19 @@
 
 namespace hmoe {
 
-enum class Isa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kAmx = 3 };
+// The ISAs with kernels (gemm_<isa>.cc, gemm_portable.cc). There is no AMX kernel, so AMX is
+// a detected CPU feature only, never the ISA a call runs or reports.
+enum class Isa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
 
 struct CpuFeatures {
   bool avx2 = false;         // AVX2 + FMA + F16C
   bool avx512 = false;       // F + BW + VL + DQ + VBMI + BF16
-  bool amx_bf16 = false;     // AMX tiles usable by this process (kernel permission granted)
+  bool amx_bf16 = false;     // AMX tiles usable by this process: reported only (no kernel of ours)
 };
 
 const CpuFeatures& cpu_features();
 
-// Best ISA this CPU supports, capped by `max_isa` (-1: no cap).
+// Best ISA with a kernel that this CPU supports, capped by `max_isa` (< 0: no cap).
 Isa select_isa(int max_isa = -1);
 
 const char* isa_name(Isa isa);

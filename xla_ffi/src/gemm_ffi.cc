@@ -49,9 +49,9 @@ std::string dtype_str(ffi::DataType t) {
   }
 }
 
-// max_isa attribute: -1 = best available, else 0 portable, 1 AVX2, 2 AVX-512, 3 AMX.
+// max_isa attribute: -1 = best available, else 0 portable, 1 AVX2, 2 AVX-512.
 Isa requested_isa(int64_t max_isa) {
-  return gemm_isa(static_cast<Isa>(max_isa < 0 ? 3 : std::min<int64_t>(max_isa, 3)));
+  return select_isa(max_isa < 0 ? -1 : static_cast<int>(std::min<int64_t>(max_isa, 2)));
 }
 
 ffi::Error invalid(const std::string& msg) {

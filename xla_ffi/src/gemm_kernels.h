@@ -73,7 +73,7 @@ struct Bf16Matrix {
 enum class WeightFormat : int { kFp8 = 0, kInt4 = 1, kBf16 = 2 };
 
 // The ISA a kernel call really runs: `requested` clamped to what this build and CPU
-// support (kAmx runs the AVX-512 kernels: no AMX kernel yet).
+// support.
 Isa gemm_isa(Isa requested);
 
 // Elements per packed activation row: k rounded up to a multiple of 64 (zero padded).

@@ -95,11 +95,7 @@ float bf16_to_f32(uint16_t bits) {
   return v;
 }
 
-Isa gemm_isa(Isa requested) {
-  Isa isa = select_isa(static_cast<int>(requested));
-  if (isa == Isa::kAmx) isa = Isa::kAvx512;
-  return isa;
-}
+Isa gemm_isa(Isa requested) { return select_isa(static_cast<int>(requested)); }
 
 int64_t packed_x_stride(int64_t k) { return (k + 63) / 64 * 64; }
 
@@ -150,8 +146,7 @@ void dispatch_rows(IsaGemmRowsFn<Matrix>* portable, IsaGemmRowsFn<Matrix>* avx2,
                    IsaGemmRowsFn<Matrix>* avx512, Isa isa, const uint16_t* xp, int64_t m,
                    const Matrix& w, int64_t n0, int64_t n1, float* y, int64_t ldy) {
   switch (gemm_isa(isa)) {
-    case Isa::kAvx512:
-    case Isa::kAmx: return avx512(xp, m, w, n0, n1, y, ldy);
+    case Isa::kAvx512: return avx512(xp, m, w, n0, n1, y, ldy);
     case Isa::kAvx2: return avx2(xp, m, w, n0, n1, y, ldy);
     case Isa::kPortable: return portable(xp, m, w, n0, n1, y, ldy);
   }

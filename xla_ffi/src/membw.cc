@@ -27,8 +27,8 @@ ffi::Error ReadBytesImpl(ffi::AnyBuffer buf, ffi::Result<ffi::AnyBuffer> out, in
     return invalid("hmoe_read_bytes: result must be uint32 [2]");
   const auto* p = static_cast<const uint8_t*>(buf.untyped_data());
   const int64_t nbytes = static_cast<int64_t>(buf.size_bytes());
-  const bool wide = gemm_isa(static_cast<Isa>(max_isa < 0 ? 3 : std::min<int64_t>(max_isa, 3))) ==
-                    Isa::kAvx512;
+  const bool wide =
+      select_isa(max_isa < 0 ? -1 : static_cast<int>(std::min<int64_t>(max_isa, 2))) == Isa::kAvx512;
   constexpr int64_t kChunk = 1 << 22;  // 4 MiB per task
   const int threads = num_threads <= 0 ? hardware_threads() : static_cast<int>(num_threads);
   std::atomic<uint64_t> total{0};

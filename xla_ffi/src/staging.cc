@@ -316,8 +316,6 @@ __attribute__((visibility("default"))) uint64_t hmoe_ring_fills_done(void* ring)
   return static_cast<hmoe::StagingRing*>(ring)->fills_done();
 }
 
-__attribute__((visibility("default"))) int64_t hmoe_monotonic_ns() { return hmoe::monotonic_ns(); }
-
 __attribute__((visibility("default"))) int hmoe_ring_set_pinned(void* ring, int on) {
   return static_cast<hmoe::StagingRing*>(ring)->set_pinned(on != 0);
 }

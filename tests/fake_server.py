@@ -5,7 +5,7 @@ not add up), then a usage chunk and [DONE]. GET /log returns, per request, its a
 each chunk's send time (time.perf_counter, CLOCK_MONOTONIC on Linux: comparable across
 processes on one host).
 
-    python -m hmoe_jax.bench.fake --port 0 --ttft-s 0.05 --itl-s 0.02,0.005,0.04
+    python tests/fake_server.py --port 0 --ttft-s 0.05 --itl-s 0.02,0.005,0.04
     # prints "fake: listening on http://127.0.0.1:PORT"
 
 Plain asyncio HTTP/1.1 (chunked responses, keep-alive): no framework in the timing path.
@@ -111,7 +111,7 @@ async def _main(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m hmoe_jax.bench.fake")
+    ap = argparse.ArgumentParser(prog="python tests/fake_server.py")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--ttft-s", type=float, default=0.05)
