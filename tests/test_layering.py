@@ -39,12 +39,8 @@ def test_modules_stay_small():
 # `from hmoe_jax.measure import calibrate` inside a function of measure/timing.py makes
 # test_no_import_cycles fail naming measure.{calibrate,probes,standin,timing}.
 
-# removed by the weights branch (issue 24 item 5: io/format.py, io/cache.py make loader,
-# arena and writer siblings). The integrator deletes this allowance when merging; the test
-# fails while the allowance is unused, so it cannot outlive the cycle.
-ALLOWED_CYCLES = [
-    frozenset({"hmoe_jax.io.arena", "hmoe_jax.io.loader", "hmoe_jax.io.synthetic", "hmoe_jax.io.writer"}),
-]
+# no cycle is allowed; an entry here would need a reason (the test fails once it is unused)
+ALLOWED_CYCLES: list[frozenset[str]] = []
 
 
 def module_graph(pkg_dir: Path) -> dict[str, set[str]]:
