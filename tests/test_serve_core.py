@@ -240,13 +240,14 @@ def test_hmoe_serve_pd_passes_policy_system_devices_and_expert_fn_to_the_coordin
             pass
 
     monkeypatch.setattr(pd_mod, "PDCoordinator", Recorder)
-    argv = ["serve", "--pd", "--devices", "4", "--system", "rtx5090_x1", "--expert-fn", "ref"]
+    argv = ["serve", "--pd", "--devices", "2", "--system", "paper_epyc9355_rtx5090", "--expert-fn", "ref"]
     argv += ["--policy-option", "schedule=slp", "--max-num-seqs", "5", "--precision", "f32"]
     args = build_parser().parse_args(argv)
     build_state(args, build_run(args))
     assert seen["policy"].name == "fcfs"
     assert seen["policy"].options == {"schedule": "slp", "decode_cap": 5}
-    assert seen["prefill_devices"] == seen["decode_devices"] == 2
-    assert seen["engine"]["system"] == load_system("rtx5090_x1")
+    assert seen["prefill_devices"] == seen["decode_devices"] == 1
+    assert seen["engine"]["system"] == load_system("paper_epyc9355_rtx5090", 1)
+    assert seen["engine"]["system"].num_accelerators == 1  # each worker plans for its own share
     assert seen["engine"]["expert_fn"] == "ref" and seen["engine"]["precision"] == "f32"
     assert seen["engine"]["max_batch"] == 5

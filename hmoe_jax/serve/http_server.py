@@ -141,10 +141,10 @@ def build_state(args: argparse.Namespace, run: Any) -> tuple[ServerState, Callab
         from hmoe_jax.serve.pd import PDCoordinator
 
         per_worker = _pd_devices(args.devices)
-        if args.system:  # the workers' auto thresholds, as the in-process engine's
-            from hmoe_jax.plan.system import load_system
+        if args.system:  # the workers' auto thresholds, as the in-process engine's: each
+            from hmoe_jax.plan.system import load_system  # worker plans for the devices it has
 
-            engine_opts["system"] = load_system(args.system)
+            engine_opts["system"] = load_system(args.system, per_worker)
         engine_opts["expert_fn"] = args.expert_fn
         backend = PDCoordinator(
             run.checkpoint, policy, engine=engine_opts, prefill_devices=per_worker, decode_devices=per_worker
