@@ -54,11 +54,11 @@ def token_bytes(cfg, eng, experts_touched: int, kv_tokens: int) -> int:
 def touched_experts(eng, seqs) -> int:
     """Distinct routed experts one decode step of this batch routes to, summed over layers
     (a traced step records them from the routing ids that hop to the host)."""
-    from hmoe_jax.plan.trace import TraceRecorder
+    from hmoe_jax.plan.trace import TraceRecorder, experts_touched
 
-    eng.step(seqs, trace=TraceRecorder())
-    run = eng.last_run
-    return sum(v for (kind, *_), v in run.vals.items() if kind == "touched")
+    trace = TraceRecorder()
+    eng.step(seqs, trace=trace)
+    return sum(experts_touched(trace.slices).values())
 
 
 def main(argv: list[str] | None = None) -> dict:

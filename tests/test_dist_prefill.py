@@ -86,7 +86,7 @@ def test_dist_prefill_matches_reference(scheme, fp8, n):
     assert not np.asarray(kv.latent)[:, :, T:].any(), "pad / unused cache slots must be zero"
 
     # Each rank received exactly its own experts' bytes, once per MoE layer, and nothing else.
-    st = run.vals["dslp"]
+    st = run.dslp
     el = CFG.n_routed_experts // n
     for i, layer in enumerate(params.layers):
         recs = [r for r in st.streamer.log if r.layer == i and r.what == "experts"]

@@ -114,7 +114,7 @@ def test_engine_run_streams_each_ranks_experts_once(name):
     finally:
         eng.close()
     el = cfg.n_routed_experts // n
-    log = run.vals["dslp"].streamer.log
+    log = run.dslp.streamer.log
     moe_layers = [i for i, lp in enumerate(params.layers) if isinstance(lp.ffn, MoEParams)]
     for i in moe_layers:
         host = params.layers[i].ffn.experts

@@ -145,3 +145,42 @@ def test_layer_times_and_bound_on_a_hand_made_trace():
     assert overlap_bound(a_s, m_s) == pytest.approx(7 / 4)
     assert overlap_bound(2.0, 2.0) == pytest.approx(2.0)  # equal sides: at best twice as fast
     assert overlap_bound(9.0, 1.0) == pytest.approx(10 / 9)
+
+
+def test_both_micro_batches_runs_are_in_the_trace_each_under_its_own_plan():
+    """The engine keeps no `last_run` that the two micro-batch threads would both write: what
+    a traced step measured is in the trace, per micro-batch. Oracle: the same two groups
+    stepped one after the other on a second engine in the same state (plain async steps, no
+    threads) touch the same experts per layer and get the same tokens."""
+    from hmoe_jax.plan.trace import experts_touched
+
+    cfg, params, *_ = model()
+    a = reference_engine(params, cfg, 1, max_batch=len(LENGTHS), max_len=64)
+    b = reference_engine(params, cfg, 1, max_batch=len(LENGTHS), max_len=64)
+    assert not hasattr(a, "last_run")
+    ga = list(split_micro_batches(start_all(a)))
+    gb = list(split_micro_batches(start_all(b)))
+    tr = TraceRecorder()
+    dual_step(a, ga, tr)
+    alone = []
+    for g in gb:
+        t = TraceRecorder()
+        b.step(g, t)
+        alone.append(t)
+    assert [s.tokens for g in ga for s in g] == [s.tokens for g in gb for s in g]
+    # two plans recorded, each slice's plan index belongs to exactly one micro-batch
+    assert len(tr.meta["plans"]) == 2
+    label_of: dict[int, set] = {}
+    for s in tr.slices:
+        label_of.setdefault(s["args"]["plan"], set()).add(s["args"]["batch"])
+    assert sorted(label_of) == [0, 1] and sorted(map(tuple, label_of.values())) == [("mb0",), ("mb1",)]
+    k = cfg.num_experts_per_tok
+    for m, t in enumerate(alone):
+        want = experts_touched(t.slices)
+        got = experts_touched(tr.slices, batch=f"mb{m}")
+        assert got == want and sorted(got) == [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+        assert all(k <= n <= min(cfg.n_routed_experts, k * len(ga[m])) for n in got.values())
+    for eng, groups in ((a, ga), (b, gb)):
+        for s in (s for g in groups for s in g):
+            eng.cancel(s)
+        eng.close()

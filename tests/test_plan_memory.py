@@ -15,7 +15,7 @@ from hmoe_jax.measure import compile_probe as C
 from hmoe_jax.model import attention as A
 from hmoe_jax.plan import costs, memory
 from hmoe_jax.plan.system import SystemSpec, load_system
-from hmoe_jax.runtime import executor, pieces
+from hmoe_jax.runtime import pieces, run
 from hmoe_jax.runtime.kvpool import bytes_per_row
 from hmoe_jax.schedules.base import ScheduleError
 from hmoe_jax.schedules.registry import get_schedule
@@ -177,7 +177,7 @@ def test_budget_pieces_agree_with_the_runtime():
     assert memory.cache_bytes(TINY, 3, 100) == 3 * bytes_per_row(TINY, 128, "bfloat16")
     assert costs.EXPANDED_MIN_TOKENS == A.EXPANDED_MIN_TOKENS
     for n in (1, 63, 64, 65, 1000, 5000):
-        assert costs.decode_kv_len(n, 4096) == executor.decode_kv_len(n, 4096)
+        assert costs.decode_kv_len(n, 4096) == run.decode_kv_len(n, 4096)
         assert costs.key_block(512, 64 * n) == A.key_block(512, 64 * n)
         assert memory.experts_group_temp(V3, n, 1) >= 0 and pieces.row_bucket(n) >= n
     b = get_schedule("slp").budget(V3, load_system(PAPER, 1), 32768)

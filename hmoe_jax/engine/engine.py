@@ -32,10 +32,10 @@ from hmoe_jax.plan.buckets import cache_len
 from hmoe_jax.plan.format import Plan
 from hmoe_jax.plan.system import SystemSpec
 from hmoe_jax.plan.trace import TraceRecorder
-from hmoe_jax.runtime import dist_exec as _dist_ops  # noqa: F401  (registers the dslp/ep op kinds)
 from hmoe_jax.runtime import executor as X
 from hmoe_jax.runtime import placement as P
 from hmoe_jax.runtime.kvpool import KVPool, PoolExhausted
+from hmoe_jax.runtime.run import Run
 from hmoe_jax.runtime.staging import StagingRing
 from hmoe_jax.runtime.state import PlacedWeights
 from hmoe_jax.schedules.registry import get_schedule
@@ -173,7 +173,6 @@ class Engine:
                 f"{self.max_len}-token row)"
             )
         self._pool: KVPool | None = None
-        self.last_run: X.Run | None = None  # the latest decode step's run (experiments read traced values)
 
     @property
     def devices(self) -> int:
@@ -222,9 +221,9 @@ class Engine:
         trace: TraceRecorder | None = None,
         locks: dict | None = None,
         label: str | None = None,
-    ) -> tuple[X.Run, float]:
+    ) -> tuple[Run, float]:
         tokens = np.asarray(tokens, np.int32)
-        run = X.Run(
+        run = Run(
             self.cfg,
             self.weights,
             cache,
@@ -242,9 +241,9 @@ class Engine:
             label=label,
         )
         if trace is not None:
-            plans = trace.meta.setdefault("plans", [])
-            run.plan_index = len(plans)
-            plans.append({"schedule": plan.schedule, "num_tokens": plan.num_tokens, **plan.meta})
+            run.plan_index = trace.add_plan(
+                {"schedule": plan.schedule, "num_tokens": plan.num_tokens, **plan.meta}
+            )
         return run, X.execute(plan, run, mode or self.mode)
 
     def prefill(
@@ -288,7 +287,8 @@ class Engine:
         label: str | None = None,
     ) -> jax.Array:
         """One batched decode step: token toks[b] of pool row rows[b] at position pos[b] -> logits [B, V].
-        mode (default decode_mode) / locks / label: for runs executed concurrently (engine/dual.py)."""
+        mode (default decode_mode) / locks / label: for runs executed concurrently (engine/dual.py).
+        What a traced step measured (experts touched per layer, op intervals) is in `trace`."""
         b = len(rows)
         plan = self.decode_plan(b, trace, int(np.max(pos)))
         run, _ = self.run_plan(
@@ -302,7 +302,6 @@ class Engine:
             locks=locks,
             label=label,
         )
-        self.last_run = run
         return run.logits[-1][:, -1]
 
     def decode_step(
@@ -473,7 +472,7 @@ class Engine:
         v.placement = P.Placement(self.placement.host, accs)
         v.system = dataclasses.replace(self.system, num_accelerators=len(accs))
         v.weights = PlacedWeights.place(self.weights.host, self.cfg, v.placement, self.prec)
-        v._rings, v._decode_plans, v._pool, v.last_run = {}, {}, None, None
+        v._rings, v._decode_plans, v._pool = {}, {}, None
         return v
 
     def close(self) -> None:

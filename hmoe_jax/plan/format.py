@@ -22,8 +22,8 @@ from typing import Any
 
 PLAN_FORMAT = "hmoe-plan/1"
 
-# Kinds the executor in runtime/ understands; schedules in other files may add their own
-# kinds together with a handler (executor.register_op_kind).
+# Kinds of the single-device schedules; a schedule may add its own kinds (dslp/ep: dslp_*),
+# each with a handler in the executor's table (runtime/executor.HANDLERS).
 OP_KINDS = (
     "embed",  # tokens -> h on the accelerator
     "attn",  # input norm + MLA + residual; writes the layer's latent cache

@@ -30,6 +30,14 @@ class TraceRecorder:
                 }
             )
 
+    def add_plan(self, meta: dict[str, Any]) -> int:
+        """Record a plan about to run (meta["plans"]) -> its index, the slices' "plan" arg.
+        Under the lock: the two micro-batches of a dual step add theirs from two threads."""
+        with self._lock:
+            plans = self.meta.setdefault("plans", [])
+            plans.append(meta)
+            return len(plans) - 1
+
     def to_chrome(self) -> dict[str, Any]:
         resources = sorted({s["resource"] for s in self.slices}, key=_track_order)
         tid = {r: i for i, r in enumerate(resources)}
@@ -80,6 +88,19 @@ def load_slices(path: str | Path) -> list[dict[str, Any]]:
         for e in d["traceEvents"]
         if e.get("ph") == "X"
     ]
+
+
+def experts_touched(slices: Iterable[dict[str, Any]], batch: str | None = None) -> dict[int, int]:
+    """Distinct routed experts the host read per MoE layer, summed over the traced
+    experts_cpu ops of `slices` (TraceRecorder.slices; batch: only that micro-batch's). The
+    executor counts them from the routing ids that hop to the host (slice arg
+    experts_touched), in traced runs only."""
+    out: dict[int, int] = {}
+    for s in slices:
+        a = s["args"]
+        if "experts_touched" in a and (batch is None or a.get("batch") == batch):
+            out[a["layer"]] = out.get(a["layer"], 0) + int(a["experts_touched"])
+    return out
 
 
 def attention_moe_split(items: Iterable[tuple[str, int, float]]) -> tuple[float, float] | None:

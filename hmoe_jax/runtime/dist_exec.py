@@ -1,5 +1,6 @@
-"""Executor op kinds of the `dslp` / `ep` plans (schedules/dslp.py), on the engine's
-executor (runtime/executor.py) and staging ring (runtime/staging.py).
+"""Handlers of the op kinds of the `dslp` / `ep` plans (schedules/dslp.py), listed in the
+executor's table (runtime/executor.py), on the engine's staging ring (runtime/staging.py).
+Their state is the run's DslpState (runtime/run.py), created by dslp_embed.
 
 Op kinds (resource in brackets; N ranks = the first N accelerators of the placement):
 - dslp_embed  [acc:all]  tokens -> zig-zag-ordered hidden states sharded over the ranks
@@ -16,12 +17,12 @@ Op kinds (resource in brackets; N ranks = the first N accelerators of the placem
 Collective ops span all ranks in lock-step, hence the one `acc:all` track; the per-rank
 copies have their own tracks. Results go where the engine's decode expects them: the
 latent cache into the sequence's row of run.cache (the KV pool on the first accelerator), logits into
-run.logits.
+run.logits; each rank's copies into run.dslp.streamer.log, the MoE's actual collective
+bytes into run.dslp.comm.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -30,7 +31,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from hmoe_jax.model.moe import ExpertFn, experts_ref
+from hmoe_jax.model.moe import experts_ref
 from hmoe_jax.parallel.mesh import AXIS
 from hmoe_jax.parallel.moe import expert_bytes_view
 from hmoe_jax.parallel.prefill import (
@@ -47,20 +48,8 @@ from hmoe_jax.parallel.prefill import (
 from hmoe_jax.plan.dist import ZigzagLayout
 from hmoe_jax.plan.format import Op, PlanError
 from hmoe_jax.runtime.dist_stream import RankStreamer
-from hmoe_jax.runtime.executor import Run, register_op_kind
+from hmoe_jax.runtime.run import DslpState, Run
 from hmoe_jax.runtime.staging import slot_layout
-
-
-@dataclasses.dataclass
-class DslpState:
-    mesh: Mesh
-    layout: ZigzagLayout
-    streamer: RankStreamer
-    scheme: str
-    capacity: int | None
-    expert_fn: ExpertFn  # the accelerator's routed-expert function (grouped GEMMs by default)
-    comm: list[dict] = dataclasses.field(default_factory=list)
-
 
 ACC_EXPERTS = {
     "grouped": DEFAULT_EXPERT_FN,
@@ -69,7 +58,7 @@ ACC_EXPERTS = {
 
 
 def _state(run: Run) -> DslpState:
-    st = run.vals.get("dslp")
+    st = run.dslp
     if st is None:
         raise PlanError("dslp op before dslp_embed: the plan must start with dslp_embed")
     return st
@@ -111,8 +100,7 @@ def _resident_layer(run: Run, i: int) -> Any:
     return lp.replace(attn=lp.attn.replace(w_uk=None, w_uv=None))
 
 
-@register_op_kind("dslp_embed")
-def _embed(run: Run, op: Op) -> list:
+def embed(run: Run, op: Op) -> list:
     if run.tokens.shape[0] != 1:
         raise PlanError(f"op {op.id}: dslp prefills one sequence, got {run.tokens.shape[0]}")
     if run.start_pos != 0:
@@ -135,22 +123,20 @@ def _embed(run: Run, op: Op) -> list:
         op.args.get("ep_capacity"),
         ACC_EXPERTS[name],
     )
-    run.vals["dslp"] = st
+    run.dslp = st
     tok_zz = np.pad(run.tokens, ((0, 0), (0, layout.padded_len - t)))[:, layout.order].astype(np.int32)
     table = _replicated(run, st, -1, run.weights.host.embed, run.weights.acc.embed)
-    h = embed_fn(mesh)(table, jax.device_put(tok_zz, NamedSharding(mesh, P(None, AXIS))))
-    run.vals["dslp_h"] = h
-    return [h]
+    st.h = embed_fn(mesh)(table, jax.device_put(tok_zz, NamedSharding(mesh, P(None, AXIS))))
+    return [st.h]
 
 
-@register_op_kind("dslp_load")
-def _load(run: Run, op: Op) -> list:
+def load(run: Run, op: Op) -> list:
     st = _state(run)
     i, r, slot = op.layer, int(op.args["rank"]), int(op.args.get("slot", -1))
     rest, experts = split_layer(run.weights.host.layers[i])
     resident = op.args.get("rest") == "resident" and r == _resident_rank(run, st)
     if not resident:  # the resident rank's share is taken at dslp_attn (_layer_rest)
-        run.vals[("dslp_rest", i, r)] = st.streamer.rank_copy(i, r, rest, "replicated")
+        st.rest[i, r] = st.streamer.rank_copy(i, r, rest, "replicated")
     exp_dev = None
     if experts is not None:
         lo, hi = op.args["experts"]
@@ -161,7 +147,8 @@ def _load(run: Run, op: Op) -> list:
                 )
             fields, _ = slot_layout(experts, hi - lo)
             n = run.ring.fill_experts(slot, experts, lo, hi, fields)
-            run.vals[("copy_ns", op.id)] = run.ring.wait(slot)
+            c0, c1 = run.ring.wait(slot)
+            run.note(op, copy_start_ns=c0, copy_end_ns=c1)
             part = run.ring.views(slot, fields, hi - lo, experts)
         else:
             part = jax.tree_util.tree_map(lambda x: x[lo:hi], experts)
@@ -169,20 +156,19 @@ def _load(run: Run, op: Op) -> list:
         # FP8 as bytes (a numpy view): the grouped ExpertFn bitcasts one chunk at a time.
         exp_dev = st.streamer.rank_copy(i, r, expert_bytes_view(part), "experts", (lo, hi))
         run.streamed_bytes[i] = run.streamed_bytes.get(i, 0) + n
-        run.vals[("dslp_exp", i, r)] = exp_dev
-    return jax.tree_util.tree_leaves((run.vals.get(("dslp_rest", i, r)), exp_dev))
+        st.experts[i, r] = exp_dev
+    return jax.tree_util.tree_leaves((st.rest.get((i, r)), exp_dev))
 
 
 def _layer_rest(run: Run, st: DslpState, i: int) -> Any:
     """Layer i's non-expert weights replicated over the mesh: the loads' copies, and on the
     resident rank the engine's own (its load did not copy them)."""
-    key = ("dslp_layer", i)
-    if key not in run.vals:
+    if i not in st.layer_rest:
         host = split_layer(run.weights.host.layers[i])[0]
         r0 = _resident_rank(run, st)
         pieces = {}
         for r in st.streamer.local_ranks:
-            got = run.vals.pop(("dslp_rest", i, r), None)
+            got = st.rest.pop((i, r), None)
             if got is None and r == r0:
                 got = _resident_layer(run, i)
                 if jax.tree_util.tree_structure(got) != jax.tree_util.tree_structure(host):
@@ -190,67 +176,61 @@ def _layer_rest(run: Run, st: DslpState, i: int) -> Any:
             if got is None:
                 raise PlanError(f"dslp_attn of layer {i}: no non-expert weights loaded for rank {r}")
             pieces[r] = got
-        run.vals[key] = st.streamer.assemble_replicated(pieces)
-    return run.vals[key]
+        st.layer_rest[i] = st.streamer.assemble_replicated(pieces)
+    return st.layer_rest[i]
 
 
 def _layer_experts(run: Run, st: DslpState, i: int) -> Any:
     """Layer i's routed experts sharded P(AXIS) from every rank's load."""
     like = split_layer(run.weights.host.layers[i])[1]
-    pieces = {r: run.vals.pop(("dslp_exp", i, r)) for r in st.streamer.local_ranks}
+    pieces = {r: st.experts.pop((i, r)) for r in st.streamer.local_ranks}
     return st.streamer.assemble_sharded(pieces, like)
 
 
-@register_op_kind("dslp_attn")
-def _attn(run: Run, op: Op) -> list:
+def attn(run: Run, op: Op) -> list:
     st = _state(run)
     i = op.layer
     rest = _layer_rest(run, st, i)
-    h, lat, rop = attn_fn(st.mesh, run.cfg, st.layout)(rest, run.vals["dslp_h"])
+    h, lat, rop = attn_fn(st.mesh, run.cfg, st.layout)(rest, st.h)
     t = run.tokens.shape[1]
     acc = run.weights.placement.acc
     row = np.int32(run.rows[0])
     run.cache.latent[i] = _cache_writer(t)(run.cache.latent[i], jax.device_put(lat, acc), row)
     run.cache.rope[i] = _cache_writer(t)(run.cache.rope[i], jax.device_put(rop, acc), row)
-    run.vals["dslp_h"] = h
+    st.h = h
     return [h, run.cache.latent[i], run.cache.rope[i]]
 
 
-@register_op_kind("dslp_ffn")
-def _ffn(run: Run, op: Op) -> list:
+def ffn(run: Run, op: Op) -> list:
     st = _state(run)
-    rest = run.vals.pop(("dslp_layer", op.layer))
+    rest = st.layer_rest.pop(op.layer)
     for r in st.streamer.local_ranks:
-        run.vals.pop(("dslp_exp", op.layer, r), None)
-    h = ffn_fn(st.mesh, run.cfg, False, st.scheme, st.expert_fn, None)(rest, None, run.vals["dslp_h"])
-    run.vals["dslp_h"] = h
-    return [h]
+        st.experts.pop((op.layer, r), None)
+    st.h = ffn_fn(st.mesh, run.cfg, False, st.scheme, st.expert_fn, None)(rest, None, st.h)
+    return [st.h]
 
 
-@register_op_kind("dslp_moe")
-def _moe(run: Run, op: Op) -> list:
+def moe(run: Run, op: Op) -> list:
     st = _state(run)
     i = op.layer
-    rest, experts = run.vals.pop(("dslp_layer", i)), _layer_experts(run, st, i)
+    rest, experts = st.layer_rest.pop(i), _layer_experts(run, st, i)
     f = ffn_fn(st.mesh, run.cfg, True, st.scheme, st.expert_fn, st.capacity)
-    h, ids, dropped = f(rest, experts, run.vals["dslp_h"])
+    h, ids, dropped = f(rest, experts, st.h)
     check_dropped(dropped, i, st.capacity)
     n, b = st.layout.n_ranks, run.tokens.shape[0]
     st.comm.append({"layer": i, **moe_comm_record(run.cfg, n, st.layout.padded_len * b, st.scheme, ids)})
-    run.vals["dslp_h"] = h
+    st.h = h
     return [h]
 
 
-@register_op_kind("dslp_unload")
-def _unload(run: Run, op: Op) -> list:
+def unload(run: Run, op: Op) -> list:
     slot = int(op.args.get("slot", -1))
     if slot >= 0:
         run.ring.release(slot)
     return []
 
 
-@register_op_kind("dslp_final")
-def _final(run: Run, op: Op) -> list:
+def final(run: Run, op: Op) -> list:
     st = _state(run)
     norm, lm_head = _replicated(
         run,
@@ -259,7 +239,8 @@ def _final(run: Run, op: Op) -> list:
         (run.weights.host.norm, run.weights.host.lm_head),
         (run.weights.acc.norm, run.weights.acc.lm_head),
     )
-    h, lay = run.vals.pop("dslp_h"), st.layout
+    h, lay = st.h, st.layout
+    st.h = None
     t = run.tokens.shape[1]
     acc = run.weights.placement.acc
     if op.args.get("rows", "last") == "all":

@@ -18,15 +18,33 @@ class ScheduleError(ValueError):
     pass
 
 
+# Options every schedule takes: all_logits (logits of every prompt position, not only the
+# last; the engine always passes it) and the memory-budget inputs (plan/memory.py) that
+# callers such as `hmoe plan` and the simulator pass without knowing which schedule runs:
+# kv_rows / max_len (the KV pool the plan runs against), piece_temps (measured piece
+# temporaries, runtime/compile_probe.py). A schedule without a budget (reference) has
+# nothing to size with them.
+COMMON_OPTIONS = frozenset({"all_logits", "kv_rows", "max_len", "piece_temps"})
+
+
 class Schedule(abc.ABC):
     name: ClassVar[str]
     # Accelerators the schedule can use: it runs on devices[:n] for n in [min, max]
     # (max None: any number). Single-accelerator schedules have min = max = 1.
     min_devices: ClassVar[int] = 1
     max_devices: ClassVar[int | None] = 1
+    # Every option the schedule reads (its class docstring says what each does).
+    known_options: ClassVar[frozenset[str]] = COMMON_OPTIONS
 
     def __init__(self, **options: object):
-        """Options are schedule-specific keyword overrides (e.g. slp ring_slots=2)."""
+        """Options are schedule-specific keyword overrides (e.g. slp ring_slots=2). An
+        option the schedule does not know is an error (a misspelled one would otherwise be
+        ignored without a word), as for policies."""
+        unknown = sorted(set(options) - self.known_options)
+        if unknown:
+            raise ScheduleError(
+                f"schedule {self.name!r}: unknown option(s) {unknown}; known: {sorted(self.known_options)}"
+            )
         self.options = dict(options)
 
     @abc.abstractmethod

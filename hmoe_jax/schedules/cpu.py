@@ -13,7 +13,7 @@ from hmoe_jax.config import ModelConfig
 from hmoe_jax.plan import costs, memory
 from hmoe_jax.plan.format import Plan, PlanBuilder
 from hmoe_jax.plan.system import SystemSpec
-from hmoe_jax.schedules.base import Schedule, ScheduleError
+from hmoe_jax.schedules.base import COMMON_OPTIONS, Schedule, ScheduleError
 
 
 def touched_experts(cfg: ModelConfig, tokens: int) -> int:
@@ -70,6 +70,14 @@ class CpuSchedule(Schedule):
     prefill attention options), piece_temps (measured piece temporaries)."""
 
     name = "cpu"
+    known_options = COMMON_OPTIONS | {
+        "chunk_tokens",
+        "fused",
+        "fuse_shared_tokens",
+        "batch",
+        "precision",
+        "attn",
+    }
 
     def budget(
         self, cfg: ModelConfig, system: SystemSpec, num_tokens: int, *, devices: int = 1, start_pos: int = 0

@@ -32,7 +32,7 @@ from hmoe_jax.plan import costs, memory
 from hmoe_jax.plan.dist import ZigzagLayout, cp_attention_comm, ep_comm_expected, smallep_comm
 from hmoe_jax.plan.format import Plan, PlanBuilder
 from hmoe_jax.plan.system import SystemSpec
-from hmoe_jax.schedules.base import Schedule, ScheduleError
+from hmoe_jax.schedules.base import COMMON_OPTIONS, Schedule, ScheduleError
 
 ACC = "acc:all"  # collective ops: every rank in lock-step
 
@@ -42,6 +42,7 @@ class DslpSchedule(Schedule):
     moe_scheme: ClassVar[str] = "smallep"
     min_devices = 1
     max_devices = None
+    known_options = COMMON_OPTIONS | {"staging", "ep_capacity", "acc_experts"}
 
     def budget(
         self, cfg: ModelConfig, system: SystemSpec, num_tokens: int, *, devices: int = 1, start_pos: int = 0

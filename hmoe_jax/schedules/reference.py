@@ -24,6 +24,9 @@ def forward_flops(cfg: ModelConfig, tokens: int, start_pos: int = 0) -> int:
 
 
 class ReferenceSchedule(Schedule):
+    """Options: the common ones only (schedules/base.py). Its forward returns every
+    position's logits, so all_logits changes nothing; it checks no memory budget."""
+
     name = "reference"
 
     def plan(

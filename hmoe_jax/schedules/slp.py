@@ -29,7 +29,7 @@ from hmoe_jax.config import ModelConfig
 from hmoe_jax.plan import costs, memory
 from hmoe_jax.plan.format import Plan, PlanBuilder
 from hmoe_jax.plan.system import SystemSpec
-from hmoe_jax.schedules.base import Schedule, ScheduleError
+from hmoe_jax.schedules.base import COMMON_OPTIONS, Schedule, ScheduleError
 from hmoe_jax.schedules.cpu import add_attention
 
 
@@ -68,6 +68,7 @@ class SlpSchedule(Schedule):
     (measured piece temporaries, measure/compile_probe.py, replacing the estimates)."""
 
     name = "slp"
+    known_options = COMMON_OPTIONS | {"ring_slots", "experts_per_slot", "double_buffer", "precision", "attn"}
 
     def _groups(self, cfg: ModelConfig, system: SystemSpec) -> tuple[int, list[tuple[int, int]]]:
         per_slot = int(self.options.get("experts_per_slot", system.slp_experts_per_slot))
