@@ -22,7 +22,7 @@ class ScheduleError(ValueError):
 # last; the engine always passes it) and the memory-budget inputs (plan/memory.py) that
 # callers such as `hmoe plan` and the simulator pass without knowing which schedule runs:
 # kv_rows / max_len (the KV pool the plan runs against), piece_temps (measured piece
-# temporaries, runtime/compile_probe.py). A schedule without a budget (reference) has
+# temporaries, measure/compile_probe.py). A schedule without a budget (reference) has
 # nothing to size with them.
 COMMON_OPTIONS = frozenset({"all_logits", "kv_rows", "max_len", "piece_temps"})
 
