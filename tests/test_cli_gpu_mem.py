@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import shutil
 
-from hmoe_jax import cli
+from hmoe_jax.cli import generate as cli
 from hmoe_jax.config import configs_dir
 from hmoe_jax.plan.memory import gpu_mem_fraction
 from hmoe_jax.plan.system import load_system

@@ -1,6 +1,6 @@
 """Plans that fit: the accelerator memory budget (plan/memory.py), `hmoe plan`, and the cost
 model pinned to what XLA compiles for a real DeepSeek-V3 layer. Compile-only: operands are
-ShapeDtypeStructs (runtime/compile_probe.py), nothing of DeepSeek-V3's size is allocated.
+ShapeDtypeStructs (measure/compile_probe.py), nothing of DeepSeek-V3's size is allocated.
 XLA:CPU here; XLA:GPU fuses differently (docs/engine.md "Plans that fit")."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import pytest
 
 from hmoe_jax.cli import main
 from hmoe_jax.config import named_model_config
+from hmoe_jax.measure import compile_probe as C
 from hmoe_jax.model import attention as A
 from hmoe_jax.plan import costs, memory
 from hmoe_jax.plan.system import SystemSpec, load_system
-from hmoe_jax.runtime import compile_probe as C
 from hmoe_jax.runtime import executor, pieces
 from hmoe_jax.runtime.kvpool import bytes_per_row
 from hmoe_jax.schedules.base import ScheduleError

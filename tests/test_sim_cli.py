@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from hmoe_jax import cli_reproduce
 from hmoe_jax.cli import main
+from hmoe_jax.cli import reproduce as cli_reproduce
 
 
 def test_simulate_json_last_line_has_the_documented_keys(capsys):
@@ -111,7 +111,7 @@ def test_calibrate_writes_the_profile_of_the_checkout_it_runs_in(tmp_path, monke
     plain install with its own copy of configs; elsewhere, the package's."""
     import argparse
 
-    from hmoe_jax import cli_calibrate
+    from hmoe_jax.cli import calibrate as cli_calibrate
 
     written: list = []
     monkeypatch.setattr(cli_calibrate, "calibrate", lambda **_: {"calibrate_s": 0.0})

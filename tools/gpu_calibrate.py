@@ -30,7 +30,7 @@ import json
 import time
 from pathlib import Path
 
-from hmoe_jax.cli_calibrate import _median_s as timed  # median of timed runs after one warm-up
+from hmoe_jax.measure.timing import median_s as timed  # median of timed runs after one warm-up
 
 
 def link_rates(sizes_mib: list[int], reps: int) -> dict:
@@ -89,10 +89,10 @@ def attention_rate(tokens: int, reps: int, smoke: bool) -> dict:
     import numpy as np
 
     from hmoe_jax.config import named_model_config
+    from hmoe_jax.measure.compile_probe import abstract_mla
     from hmoe_jax.model import attention as A
     from hmoe_jax.model.precision import BF16
     from hmoe_jax.plan import costs
-    from hmoe_jax.runtime.compile_probe import abstract_mla
 
     cfg = named_model_config("deepseek_v3_tiny" if smoke else "deepseek_v3")
     rng = np.random.default_rng(0)

@@ -1,6 +1,6 @@
 """Error types for bad input. Each message is one line that names the file, tensor or
 option and says what was expected and what was found; the CLI prints it and exits
-non-zero without a traceback (hmoe_jax.cli.main catches these and ConfigError)."""
+non-zero without a traceback (hmoe_jax.cli.app.main catches these and ConfigError)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ arithmetic from the config (no jax): schedules refuse a plan whose budget does n
   that stage (h, x, the shared output, the f32 routed accumulator, routing) plus the
   running piece's own XLA temporaries. Piece temporaries are estimated here from the
   shapes the pieces build (runtime/pieces.py, model/attention.py) or measured by the
-  caller (runtime/compile_probe.py: memory_analysis() of the compiled piece) and passed in
+  caller (measure/compile_probe.py: memory_analysis() of the compiled piece) and passed in
   as `piece_temps`, which then replace the estimates piece by piece.
 
 usable = acc_mem_bytes - RESERVE_BYTES; fits = resident + ring + cache + temp <= usable.

@@ -65,7 +65,7 @@ class SlpSchedule(Schedule):
     double_buffer (True: a stage op per group queues its memcpy ahead of the load); for the
     memory budget: kv_rows (1) and max_len (start_pos + num_tokens) of the KV pool,
     precision ("bf16"), attn (the engine's prefill attention options), piece_temps
-    (measured piece temporaries, runtime/compile_probe.py, replacing the estimates)."""
+    (measured piece temporaries, measure/compile_probe.py, replacing the estimates)."""
 
     name = "slp"
 

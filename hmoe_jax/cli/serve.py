@@ -17,7 +17,7 @@ from typing import Any
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from hmoe_jax.cli import build_run
+    from hmoe_jax.cli.run import build_run
     from hmoe_jax.serve.http_server import serve
 
     return serve(args, build_run(args))
@@ -36,7 +36,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
 def add_serve_parsers(sub: Any) -> None:
     from hmoe_jax.bench.args import add_bench_serve_args
-    from hmoe_jax.cli import add_run_args
+    from hmoe_jax.cli.run import add_run_args
     from hmoe_jax.policies.registry import DEFAULT_POLICY, policy_names
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")

@@ -1,165 +1,29 @@
-"""`hmoe` command line: generate, logits, convert.
+"""`hmoe generate`: text or token ids from a prompt, on the plain one-device model path or
+on the hybrid engine (--schedule NAME; a --checkpoint runs `auto` by default).
 
-Interfaces are stable (other tools call them):
   hmoe generate [--checkpoint DIR] (--prompt TEXT | --tokens 1,2,3) [--max-new-tokens N]
                 [--temperature T] [--top-p P] [--seed S] [--ignore-eos] [--max-context N] [--json]
-                [--schedule NAME --devices N --trace FILE --link-gbps X --acc-tflops-cap Y --system S]  (hybrid engine)
-  hmoe logits   [--checkpoint DIR] --tokens 1,2,3 --out FILE.npy
-  hmoe convert  --checkpoint IN --out OUT [--format fp8|bf16|f32|arena] [--shard-bytes N]
-  hmoe plan     (--model NAME | --config FILE) --system S --schedule slp|dslp|cpu|auto --prompt-len T
-                [--kv-rows N] [--max-len L] [--measure/--no-measure] [--json]  (exit 3: does not fit)
-  hmoe simulate --model NAME --system PROFILE --schedule S --prompt-len T [--decode-tokens K] [--batch B]
-                [--devices N] [--int4] [--json]  (the simulator, hmoe_jax/sim/; no weights, no jax)
-  hmoe calibrate [--out PATH] [--quick] [--json]  (measure this machine: configs/systems/local.toml)
-  hmoe reproduce [--quick] [--only e03,e04] [--table-only]  (experiments, paper_figs/, claims table)
-  hmoe serve    [--checkpoint DIR] [--host H] [--port P] [--policy NAME] ...  (OpenAI-compatible server)
-  hmoe bench serve --url URL (--scenario NAME | --dataset FILE) ...        (load generator; cli_serve.py)
-Without --checkpoint, the shipped trained default (deepseek_v3_stdlib, FP8, inside the
-package; hmoe_jax.io.default_model) is used; HMOE_DEFAULT_MODEL=synthetic selects the
-synthetic deepseek_v3_tiny twin (cached on first use). With --json the LAST stdout line is one JSON object.
+                [--schedule NAME --devices N --trace FILE --link-gbps X --acc-tflops-cap Y --system S]
 
-Options that change how a model runs (expert path, schedule, devices, ...) are added in
-`add_run_args` and turned into the `Run` in `build_run`; commands only consume a `Run`.
-Bad input raises ConfigError / CheckpointError / InputError; main() prints their one-line
-message to stderr and returns 1 (no traceback).
+With --json the LAST stdout line is one JSON object. set_gpu_mem_fraction sizes JAX's GPU
+allocator from the plan's memory budget before the backend starts (cli/app.py calls it).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
 import statistics
-import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hmoe_jax.config import ConfigError, ModelConfig
-from hmoe_jax.io.errors import CheckpointError, InputError
+from hmoe_jax.cli.run import Run, add_run_args, build_run, check_context, prompt_ids
+from hmoe_jax.io.errors import InputError
 
 DEFAULT_MAX_NEW_TOKENS = 32
-
-
-@dataclasses.dataclass
-class Run:
-    """Everything a command needs to execute a model, built once from parsed args."""
-
-    cfg: ModelConfig
-    host_params: Any  # ModelParams as loaded: the one host copy (memmaps, aligned expert stacks)
-    tokenizer: Any  # hmoe_jax.io.tokenizer.Tokenizer
-    model: str  # human/JSON name of the model
-    checkpoint: Path
-    expert_fn: Any  # hmoe_jax.model.moe.ExpertFn
-    max_context: int
-    _device_params: Any = None
-
-    @property
-    def params(self) -> Any:
-        """host_params on the default device, for the plain model path; placed on first use
-        only, so the engine path (which does its own placement from the host copy) never
-        pays for a whole-model transfer to the default device."""
-        if self._device_params is None:
-            import jax
-
-            self._device_params = jax.device_put(self.host_params)
-        return self._device_params
-
-
-def add_run_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--checkpoint",
-        type=Path,
-        default=None,
-        help="HF-format checkpoint dir (default: the shipped trained tiny model)",
-    )
-    p.add_argument(
-        "--max-context",
-        type=int,
-        default=None,
-        help="context limit in tokens (default: max_position_embeddings)",
-    )
-    p.add_argument("--quiet", action="store_true", help="no progress bars or notes on stderr")
-
-
-def build_run(args: argparse.Namespace) -> Run:
-    """Load the model and resolve run options. New run flags plug in here."""
-
-    from hmoe_jax.io.default_model import default_checkpoint
-    from hmoe_jax.io.loader import load_checkpoint
-    from hmoe_jax.io.tokenizer import load_tokenizer
-    from hmoe_jax.model.moe import experts_ref
-
-    progress = not args.quiet
-    if args.checkpoint is None:
-        ckpt, model = default_checkpoint(progress=progress)
-    else:
-        ckpt = args.checkpoint
-        model = ckpt.name
-    cfg, params = load_checkpoint(ckpt, progress=progress)
-    max_context = cfg.max_position_embeddings
-    if args.max_context is not None:
-        if not 1 <= args.max_context <= cfg.max_position_embeddings:
-            raise InputError(
-                f"--max-context {args.max_context} must be in [1, max_position_embeddings={cfg.max_position_embeddings}]"
-            )
-        max_context = args.max_context
-    return Run(
-        cfg=cfg,
-        host_params=params,
-        tokenizer=load_tokenizer(ckpt, cfg.vocab_size),
-        model=model,
-        checkpoint=ckpt,
-        expert_fn=experts_ref,
-        max_context=max_context,
-    )
-
-
-def parse_tokens(text: str, flag: str = "--tokens") -> list[int]:
-    parts = [s.strip() for s in text.split(",") if s.strip()]
-    if not parts:
-        raise InputError(f"{flag}: expected comma-separated token ids like 1,2,3, got {text!r}")
-    try:
-        return [int(s) for s in parts]
-    except ValueError:
-        bad = next(s for s in parts if not s.lstrip("-").isdigit())
-        raise InputError(f"{flag}: {bad!r} is not an integer token id") from None
-
-
-def check_ids(ids: Sequence[int], vocab_size: int, flag: str) -> None:
-    for i in ids:
-        if not 0 <= i < vocab_size:
-            raise InputError(f"{flag}: token id {i} out of range [0, vocab_size={vocab_size})")
-
-
-def check_context(n_prompt: int, n_new: int, run: Run, source: str) -> None:
-    limit = (
-        "--max-context" if run.max_context != run.cfg.max_position_embeddings else "max_position_embeddings"
-    )
-    if n_new == 0 and n_prompt > run.max_context:
-        raise InputError(
-            f"{source}: {n_prompt} tokens exceed the context of {run.max_context} tokens ({limit})"
-        )
-    if n_prompt + n_new > run.max_context:
-        raise InputError(
-            f"{source}: prompt of {n_prompt} tokens + {n_new} new tokens = {n_prompt + n_new} "
-            f"exceeds the context of {run.max_context} tokens ({limit})"
-        )
-
-
-def prompt_ids(args: argparse.Namespace, run: Run) -> list[int]:
-    if args.tokens is not None:
-        ids = parse_tokens(args.tokens)
-        check_ids(ids, run.cfg.vocab_size, "--tokens")
-        return ids
-    ids = run.tokenizer.encode(args.prompt)
-    check_ids(ids, run.cfg.vocab_size, f"--prompt (encoded by {run.tokenizer.name})")
-    if not ids:
-        raise InputError("--prompt: encodes to no tokens")
-    return ids
 
 
 def _warmup(run: Run, ids: list[int], max_new_tokens: int, temperature: float, top_p: float) -> float:
@@ -407,48 +271,7 @@ def cmd_generate_engine(args: argparse.Namespace, run: Run, ids: list[int]) -> i
     return 0
 
 
-def cmd_logits(args: argparse.Namespace) -> int:
-    import numpy as np
-
-    from hmoe_jax.model.generate import teacher_forced_logits
-
-    ids = parse_tokens(args.tokens)
-    if not args.out.parent.is_dir():  # before the forward pass, not after it
-        raise InputError(f"--out: directory {args.out.parent} does not exist")
-    run = build_run(args)
-    check_ids(ids, run.cfg.vocab_size, "--tokens")
-    check_context(len(ids), 0, run, "--tokens")
-    logits = np.asarray(teacher_forced_logits(run.params, run.cfg, ids, run.expert_fn), np.float32)  # [T, V]
-    np.save(args.out, logits)
-    print(f"wrote {args.out}: float32 {list(logits.shape)} logits ({run.model})")
-    return 0
-
-
-def cmd_convert(args: argparse.Namespace) -> int:
-    from hmoe_jax.io.writer import convert_checkpoint
-
-    if args.shard_bytes is not None and args.shard_bytes <= 0:
-        raise InputError(f"--shard-bytes must be > 0, got {args.shard_bytes}")
-    if args.format == "arena":  # the shared host weight arena (hmoe_jax.io.arena); no shards
-        from hmoe_jax.io.arena import write_arena
-
-        write_arena(args.checkpoint, args.out, progress=not args.quiet)
-    else:
-        convert_checkpoint(
-            args.checkpoint, args.out, fmt=args.format, shard_bytes=args.shard_bytes, progress=not args.quiet
-        )
-    print(f"wrote {args.out} ({args.format})")
-    return 0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from hmoe_jax.io.writer import DEFAULT_CONVERT_SHARD_BYTES, FORMATS
-
-    ap = argparse.ArgumentParser(
-        prog="hmoe", description="CPU-GPU hybrid MoE inference (DeepSeek-V3 / Kimi-K2) in JAX"
-    )
-    sub = ap.add_subparsers(dest="command", required=True)
-
+def add_generate_parser(sub: Any) -> None:
     g = sub.add_parser("generate", help="generate text or token ids")
     add_run_args(g)
     src = g.add_mutually_exclusive_group(required=True)
@@ -463,50 +286,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="end stdout with one JSON line")
     add_engine_args(g)
     g.set_defaults(func=cmd_generate)
-
-    lg = sub.add_parser("logits", help="teacher-forced logits of every position")
-    add_run_args(lg)
-    lg.add_argument("--tokens", required=True, help="token ids, comma-separated")
-    lg.add_argument("--out", type=Path, required=True, help="output .npy, float32 [T, vocab]")
-    lg.set_defaults(func=cmd_logits)
-
-    cv = sub.add_parser("convert", help="convert a checkpoint (e.g. bf16/f32 -> DeepSeek FP8)")
-    cv.add_argument("--checkpoint", type=Path, required=True, help="input checkpoint dir")
-    cv.add_argument("--out", type=Path, required=True, help="output checkpoint dir")
-    cv.add_argument("--format", choices=[*sorted(FORMATS), "arena"], default="fp8")
-    cv.add_argument(
-        "--shard-bytes", type=int, default=DEFAULT_CONVERT_SHARD_BYTES, help="max bytes per shard"
-    )
-    cv.add_argument("--quiet", action="store_true")
-    cv.set_defaults(func=cmd_convert)
-
-    from hmoe_jax.cli_plan import add_plan_parser
-
-    add_plan_parser(sub)  # hmoe plan: memory and time budget of a plan, no weights
-    from hmoe_jax.cli_serve import add_serve_parsers
-
-    add_serve_parsers(sub)  # hmoe serve (OpenAI-compatible server), hmoe bench serve (load generator)
-    from hmoe_jax.cli_calibrate import add_calibrate_parser
-    from hmoe_jax.cli_reproduce import add_reproduce_parser
-    from hmoe_jax.cli_sim import add_simulate_parser
-
-    add_simulate_parser(sub)  # hmoe simulate: a request's times on a profile (sim/), no weights
-    add_calibrate_parser(sub)  # hmoe calibrate: measure this machine, write configs/systems/local.toml
-    add_reproduce_parser(sub)  # hmoe reproduce: every experiment, figures, claims table
-    return ap
-
-
-def enable_compilation_cache() -> None:
-    """Persist XLA executables under the hmoe cache (HMOE_XLA_CACHE=0 disables), so a
-    second `hmoe generate` skips the tens of seconds of compilation the first one pays."""
-    if os.environ.get("HMOE_XLA_CACHE", "1") == "0":
-        return
-    import jax
-
-    from hmoe_jax.io.synthetic import cache_root
-
-    jax.config.update("jax_compilation_cache_dir", str(cache_root() / "xla"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 
 
 def set_gpu_mem_fraction(args: argparse.Namespace) -> float | None:
@@ -543,35 +322,3 @@ def set_gpu_mem_fraction(args: argparse.Namespace) -> float | None:
     frac = gpu_mem_fraction(budget, system)
     os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{frac:.2f}"
     return frac
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point. argv None means a real command line: then the persistent compilation
-    cache is enabled (in-process callers such as tests keep their own jax settings)."""
-    args = build_parser().parse_args(argv)
-    if getattr(args, "devices", None) is not None:
-        if args.devices < 1:
-            print(f"hmoe: error: --devices must be >= 1, got {args.devices}", file=sys.stderr)
-            return 1
-        from hmoe_jax.runtime.placement import PlacementError, configure_stand_ins
-
-        try:  # before jax initialises its backend: host + N stand-in CPU devices
-            configure_stand_ins(args.devices)
-        except PlacementError as e:
-            print(f"hmoe: error: {e}", file=sys.stderr)
-            return 1
-    if argv is None and getattr(args, "needs_jax", True):  # `hmoe bench` is an HTTP client: no jax
-        enable_compilation_cache()
-        set_gpu_mem_fraction(args)
-    try:
-        return args.func(args)
-    except (ConfigError, CheckpointError, InputError) as e:
-        print(f"hmoe: error: {e}", file=sys.stderr)
-        return 1
-    except OSError as e:  # unwritable --out, permission errors: the message names the path
-        print(f"hmoe: error: {e.strerror or e}: {e.filename or ''}".rstrip(": "), file=sys.stderr)
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

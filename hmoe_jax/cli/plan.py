@@ -5,7 +5,7 @@ a prompt length, without weights (plan/memory.py, plan/simulate.py).
 
 With --measure (the default) the accelerator pieces the schedule runs are compiled (not
 run) at the real shapes with ShapeDtypeStruct operands on this machine's JAX backend
-(runtime/compile_probe.py) and their memory_analysis() temporaries replace the estimates;
+(measure/compile_probe.py) and their memory_analysis() temporaries replace the estimates;
 on a machine without a GPU that is XLA:CPU, which fuses differently from XLA:GPU and
 upcasts bf16 dot operands to f32 (so its temporaries are an upper bound there). dslp's
 per-rank pieces (shard_map over N devices) are not compiled: estimated only. Exit status
@@ -82,7 +82,7 @@ def _measured(
     """(piece_temps for the schedule, pieces record) from compiling the pieces."""
     import jax
 
-    from hmoe_jax.runtime import compile_probe as C
+    from hmoe_jax.measure import compile_probe as C
 
     if name == "dslp":
         try:  # stand-in CPU devices for the mesh; only possible before jax's backend starts

@@ -26,7 +26,7 @@ def find_root() -> Path:
     when it is one (a `pip install .` puts only the package in site-packages), else the
     checkout the package was installed from in editable mode. Otherwise the package's
     parent, and cmd_reproduce says what is missing."""
-    pkg_parent = Path(__file__).resolve().parents[1]
+    pkg_parent = Path(__file__).resolve().parents[2]  # hmoe_jax/cli/reproduce.py -> the checkout
     for cand in (Path.cwd(), pkg_parent):
         if any((cand / "experiments").glob("e[0-9][0-9]_*.py")):
             return cand.resolve()

@@ -1,4 +1,4 @@
-"""The stand-in accelerator's measured rates for `hmoe calibrate` (cli_calibrate.py): what
+"""The stand-in accelerator's measured rates for `hmoe calibrate` (measure/calibrate.py): what
 an XLA CPU device standing in for a GPU runs its pieces at on this machine.
 
 - standin_gemm: our FP8 GEMM kernel (the bf16 policy's matmul hook) at M = 512 and, over
@@ -19,7 +19,9 @@ import functools
 
 import numpy as np
 
-from hmoe_jax.cli_calibrate import ReadProbe, _fp8_stack, _median_s, side_by_side
+from hmoe_jax.measure.probes import ReadProbe
+from hmoe_jax.measure.stacks import fp8_stack
+from hmoe_jax.measure.timing import median_s, side_by_side
 
 
 def convert_gbps(rng, probe: ReadProbe, repeats: int) -> float:
@@ -36,9 +38,7 @@ def convert_gbps(rng, probe: ReadProbe, repeats: int) -> float:
     d, i, rows = 7168, 2048, 16
     prec = precision_for("bf16", make_placement(1))
     groups = [
-        ExpertsParams(
-            gate=_fp8_stack(rng, 1, i, d), up=_fp8_stack(rng, 1, i, d), down=_fp8_stack(rng, 1, d, i)
-        )
+        ExpertsParams(gate=fp8_stack(rng, 1, i, d), up=fp8_stack(rng, 1, i, d), down=fp8_stack(rng, 1, d, i))
         for _ in range(4)
     ]
     one = 3 * (d * i + 4 * (d // 128) * (i // 128))
@@ -56,7 +56,7 @@ def convert_gbps(rng, probe: ReadProbe, repeats: int) -> float:
         )
         return state["acc"]
 
-    return one / _median_s(call, max(3, repeats // 2), warmup=len(groups), probe=probe) / 1e9
+    return one / median_s(call, max(3, repeats // 2), warmup=len(groups), probe=probe) / 1e9
 
 
 def standin_gemm(rng, probe: ReadProbe, repeats: int) -> dict[str, float]:
@@ -69,8 +69,8 @@ def standin_gemm(rng, probe: ReadProbe, repeats: int) -> dict[str, float]:
     from hmoe_jax.kernels.gemm import fp8_matmul
 
     n, kk = 2048, 7168
-    mats = _fp8_stack(rng, 24, n, kk)  # 24 x 14.7 MB = 352 MB... rotated with the next stack
-    mats2 = _fp8_stack(rng, 24, n, kk)
+    mats = fp8_stack(rng, 24, n, kk)  # 24 x 14.7 MB = 352 MB... rotated with the next stack
+    mats2 = fp8_stack(rng, 24, n, kk)
     from hmoe_jax.quant.fp8 import Fp8Tensor
 
     ws = [Fp8Tensor(w=st.w[j], scale_inv=st.scale_inv[j]) for st in (mats, mats2) for j in range(24)]
@@ -81,11 +81,11 @@ def standin_gemm(rng, probe: ReadProbe, repeats: int) -> dict[str, float]:
     wb = n * kk + 4 * (n // 128) * (kk // 128)
     m = 512
     xm = jnp.asarray(rng.standard_normal((m, kk)), jnp.bfloat16)
-    tm = _median_s(lambda: f(xm, ws[0]), max(3, repeats // 2), probe=probe)
+    tm = median_s(lambda: f(xm, ws[0]), max(3, repeats // 2), probe=probe)
     a = jnp.asarray(rng.standard_normal((m, kk)), jnp.float32)
     b = jnp.asarray(rng.standard_normal((kk, n)), jnp.float32)
     dot = jax.jit(jnp.dot)
-    t32 = _median_s(lambda: dot(a, b), max(3, repeats // 2), probe=probe)
+    t32 = median_s(lambda: dot(a, b), max(3, repeats // 2), probe=probe)
     return {
         "gemv_gbps": wb / t1 / 1e9,
         "gemv_probe_gbps": bw,
@@ -118,7 +118,7 @@ def standin_attention(rng, probe: ReadProbe, repeats: int, model: str = "deepsee
     h, d, r = cfg.num_attention_heads, cfg.hidden_size, cfg.kv_lora_rank
 
     def w(n: int, k: int) -> Fp8Tensor:
-        st = _fp8_stack(rng, 1, n, k)
+        st = fp8_stack(rng, 1, n, k)
         return Fp8Tensor(w=st.w[0], scale_inv=st.scale_inv[0])
 
     ones = jnp.ones
@@ -140,7 +140,7 @@ def standin_attention(rng, probe: ReadProbe, repeats: int, model: str = "deepsee
         rope = jnp.zeros((1, t, cfg.qk_rope_head_dim), jnp.bfloat16)
         f = jax.jit(functools.partial(A.prefill_attention, cfg=cfg, row=0, start=0, prec=prec, form=form))
         args = {"p": p, "x": x, "cache_lat": lat, "cache_rope": rope}
-        s = _median_s(lambda f=f, args=args: f(**args), max(3, repeats // 3), probe=probe)
+        s = median_s(lambda f=f, args=args: f(**args), max(3, repeats // 3), probe=probe)
         flops = costs.attn_flops(cfg, t, 0, form=form, cache_len=t)
         out[form] = {"tokens": t, "model": model, "seconds": s, "tflops": flops / s / 1e12}
     return out

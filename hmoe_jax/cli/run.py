@@ -1,0 +1,150 @@
+"""How a model is loaded for a command: the `Run` every model-running command (generate,
+logits, serve) consumes, the flags that build it and the prompt/token checks they share.
+
+Options that change how a model runs (expert path, schedule, devices, ...) are added in
+`add_run_args` and turned into the `Run` in `build_run`; commands only consume a `Run`.
+Bad input raises InputError (io/errors.py): cli/app.py prints its one-line message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from hmoe_jax.config import ModelConfig
+from hmoe_jax.io.errors import InputError
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything a command needs to execute a model, built once from parsed args."""
+
+    cfg: ModelConfig
+    host_params: Any  # ModelParams as loaded: the one host copy (memmaps, aligned expert stacks)
+    tokenizer: Any  # hmoe_jax.io.tokenizer.Tokenizer
+    model: str  # human/JSON name of the model
+    checkpoint: Path
+    expert_fn: Any  # hmoe_jax.model.moe.ExpertFn
+    max_context: int
+    _device_params: Any = None
+
+    @property
+    def params(self) -> Any:
+        """host_params on the default device, for the plain model path; placed on first use
+        only, so the engine path (which does its own placement from the host copy) never
+        pays for a whole-model transfer to the default device."""
+        if self._device_params is None:
+            import jax
+
+            self._device_params = jax.device_put(self.host_params)
+        return self._device_params
+
+
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--checkpoint",
+        type=Path,
+        default=None,
+        help="HF-format checkpoint dir (default: the shipped trained tiny model)",
+    )
+    p.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help="context limit in tokens (default: max_position_embeddings)",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bars or notes on stderr")
+
+
+def build_run(args: argparse.Namespace) -> Run:
+    """Load the model and resolve run options. New run flags plug in here."""
+
+    from hmoe_jax.io.default_model import default_checkpoint
+    from hmoe_jax.io.loader import load_checkpoint
+    from hmoe_jax.io.tokenizer import load_tokenizer
+    from hmoe_jax.model.moe import experts_ref
+
+    progress = not args.quiet
+    if args.checkpoint is None:
+        ckpt, model = default_checkpoint(progress=progress)
+    else:
+        ckpt = args.checkpoint
+        model = ckpt.name
+    cfg, params = load_checkpoint(ckpt, progress=progress)
+    max_context = cfg.max_position_embeddings
+    if args.max_context is not None:
+        if not 1 <= args.max_context <= cfg.max_position_embeddings:
+            raise InputError(
+                f"--max-context {args.max_context} must be in [1, max_position_embeddings={cfg.max_position_embeddings}]"
+            )
+        max_context = args.max_context
+    return Run(
+        cfg=cfg,
+        host_params=params,
+        tokenizer=load_tokenizer(ckpt, cfg.vocab_size),
+        model=model,
+        checkpoint=ckpt,
+        expert_fn=experts_ref,
+        max_context=max_context,
+    )
+
+
+def parse_tokens(text: str, flag: str = "--tokens") -> list[int]:
+    parts = [s.strip() for s in text.split(",") if s.strip()]
+    if not parts:
+        raise InputError(f"{flag}: expected comma-separated token ids like 1,2,3, got {text!r}")
+    try:
+        return [int(s) for s in parts]
+    except ValueError:
+        bad = next(s for s in parts if not s.lstrip("-").isdigit())
+        raise InputError(f"{flag}: {bad!r} is not an integer token id") from None
+
+
+def check_ids(ids: Sequence[int], vocab_size: int, flag: str) -> None:
+    for i in ids:
+        if not 0 <= i < vocab_size:
+            raise InputError(f"{flag}: token id {i} out of range [0, vocab_size={vocab_size})")
+
+
+def check_context(n_prompt: int, n_new: int, run: Run, source: str) -> None:
+    limit = (
+        "--max-context" if run.max_context != run.cfg.max_position_embeddings else "max_position_embeddings"
+    )
+    if n_new == 0 and n_prompt > run.max_context:
+        raise InputError(
+            f"{source}: {n_prompt} tokens exceed the context of {run.max_context} tokens ({limit})"
+        )
+    if n_prompt + n_new > run.max_context:
+        raise InputError(
+            f"{source}: prompt of {n_prompt} tokens + {n_new} new tokens = {n_prompt + n_new} "
+            f"exceeds the context of {run.max_context} tokens ({limit})"
+        )
+
+
+def prompt_ids(args: argparse.Namespace, run: Run) -> list[int]:
+    if args.tokens is not None:
+        ids = parse_tokens(args.tokens)
+        check_ids(ids, run.cfg.vocab_size, "--tokens")
+        return ids
+    ids = run.tokenizer.encode(args.prompt)
+    check_ids(ids, run.cfg.vocab_size, f"--prompt (encoded by {run.tokenizer.name})")
+    if not ids:
+        raise InputError("--prompt: encodes to no tokens")
+    return ids
+
+
+def enable_compilation_cache() -> None:
+    """Persist XLA executables under the hmoe cache (HMOE_XLA_CACHE=0 disables), so a
+    second `hmoe generate` skips the tens of seconds of compilation the first one pays."""
+    if os.environ.get("HMOE_XLA_CACHE", "1") == "0":
+        return
+    import jax
+
+    from hmoe_jax.io.synthetic import cache_root
+
+    jax.config.update("jax_compilation_cache_dir", str(cache_root() / "xla"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)

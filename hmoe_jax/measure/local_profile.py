@@ -1,0 +1,160 @@
+"""`hmoe calibrate`'s measurements (measure/calibrate.py) written as this machine's simulator
+profile, configs/systems/local.toml: every value with its "measured: ..." or "derived: ..."
+source (the format sim/profile.py reads)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def _leaf(v: Any, src: str) -> str:
+    val = json.dumps(v) if not isinstance(v, float) else repr(float(f"{v:.4g}"))
+    return f"{{ value = {val}, src = {json.dumps(src)} }}"
+
+
+def write_profile(path: Path, m: dict[str, Any]) -> str:
+    import os
+
+    day = m["date_utc"]
+    here = f"measured: hmoe calibrate {day} on {m['cpu_model']}"
+    cores = os.cpu_count() or 1
+    fx, ix, g = m["fp8_experts"], m["int4_experts"], m["gemm"]
+    # a loaded neighbour can hold the peak loop below the kernel's own rate: the peak is then
+    # the kernel's rate (the product rate x efficiency is what prices an op)
+    peak = max(m["bf16_peak_tflops"], fx["prefill_tflops"])
+    peak_how = m["bf16_peak_how"] + (
+        ""
+        if peak == m["bf16_peak_tflops"]
+        else f" gave {m['bf16_peak_tflops']:.3f}, below the expert op's own rate, which stands for it"
+    )
+    sec = {
+        "cpu": {
+            "numa_nodes": (1, "measured: one NUMA node (os view of this VM)"),
+            "cores_per_node": (cores, "measured: os.cpu_count()"),
+            "dram_gbps_per_node": (
+                m["read_gbps"],
+                f"{here}: hmoe_read_bytes over 1 GiB, median of {m['probes']} probes during calibration",
+            ),
+            "dram_efficiency": (1.0, "derived: dram_gbps_per_node is already the sustained read rate"),
+            "bf16_tflops_per_node": (peak, f"{here}: {peak_how}"),
+            "expert_bw_efficiency": (
+                min(1.0, fx["m1_gbps"] / fx["m1_probe_gbps"]),
+                f"{here}: fused FP8 MoE op M=1 {fx['m1_gbps']:.1f} GB/s over its side-by-side read probe "
+                f"{fx['m1_probe_gbps']:.1f} GB/s (M=4: {fx['m4_gbps']:.1f} of {fx['m4_probe_gbps']:.1f})",
+            ),
+            "expert_bw_efficiency_batched": (
+                min(1.0, fx["m4_gbps"] / fx["m4_probe_gbps"]),
+                f"{here}: fused FP8 MoE op M=4 (rows overlapping) {fx['m4_gbps']:.1f} GB/s over its side-by-side read probe {fx['m4_probe_gbps']:.1f} GB/s",
+            ),
+            "expert_batched_rows_per_expert": (
+                fx["m4_rows_per_expert"],
+                f"{here}: rows per touched expert of that M=4 measurement (4 rows x top-8 over its distinct experts)",
+            ),
+            "expert_compute_efficiency": (
+                min(1.0, fx["prefill_tflops"] / peak),
+                f"{here}: fused FP8 MoE op M=256 top-8 of 32, {fx['prefill_tflops']:.3f} TFLOPS over the peak",
+            ),
+            "expert_compute_rows_per_expert": (
+                fx["prefill_rows_per_expert"],
+                f"{here}: rows per expert of that M=256 measurement (256 rows x top-8 of 32)",
+            ),
+            "expert_compute_efficiency_small": (
+                min(1.0, fx["prefill_small_tflops"] / peak),
+                f"{here}: fused FP8 MoE op M=64 top-8 of 32, {fx['prefill_small_tflops']:.3f} TFLOPS over the peak",
+            ),
+            "expert_compute_small_rows_per_expert": (
+                fx["prefill_small_rows_per_expert"],
+                f"{here}: rows per expert of that M=64 measurement (64 rows x top-8 of 32)",
+            ),
+            "int4_expert_bw_efficiency": (
+                min(1.0, ix["m1_gbps"] / ix["m1_probe_gbps"]),
+                f"{here}: fused INT4 MoE op M=1 {ix['m1_gbps']:.1f} GB/s over its side-by-side read probe {ix['m1_probe_gbps']:.1f} GB/s",
+            ),
+            "copy_gbps": (m["copy_gbps"], f"{here}: StagingRing fill of 256 MiB, 2 copy threads, median"),
+        },
+        "accelerator": {
+            "count": (m["devices"], "measured: stand-in XLA CPU devices the engine uses here (--devices)"),
+            "kind": ("xla-cpu-standin", "measured: no GPU on this machine; accelerators are XLA CPU devices"),
+            "placement": ("host", "measured: the stand-in runs on the host's cores and reads host DRAM"),
+            "fp32_tflops": (m["gemm"]["fp32_tflops"], f"{here}: XLA f32 dot 512 x 7168 x 2048, median"),
+            "bf16_tflops": (
+                m["gemm"]["bf16_tflops"],
+                f"{here}: our FP8 GEMM kernel (the bf16 policy's hook) M=512 on 2048 x 7168",
+            ),
+            "fp8_tflops": (
+                m["gemm"]["bf16_tflops"],
+                "derived: no FP8 GEMM runs on the stand-in; = bf16_tflops (the same kernel)",
+            ),
+            "compute_efficiency": (1.0, "derived: the rates above are measured effective rates"),
+            "mem_gbps": (
+                m["read_gbps"],
+                "derived: the stand-in's memory is host DRAM (= dram_gbps_per_node)",
+            ),
+            "mem_efficiency": (
+                min(1.0, g["gemv_gbps"] / g["gemv_probe_gbps"]),
+                f"{here}: our FP8 GEMV (M=1) {g['gemv_gbps']:.1f} GB/s over 48 rotated 2048 x 7168 matrices, over its side-by-side read probe {g['gemv_probe_gbps']:.1f} GB/s",
+            ),
+            "mem_bytes": (m["mem_bytes"], "measured: host RAM (os.sysconf), the stand-in's memory"),
+            **{
+                f"attn_{form}_tflops": (
+                    a["tflops"],
+                    f"{here}: the engine's blocked MLA prefill attention ({form} form, FP8 weights through the "
+                    f"bf16 policy's hooks) on one {a['model']} layer, {a['tokens']} new tokens, "
+                    f"plan.costs.attn_flops over {a['seconds']:.3f} s, median",
+                )
+                for form, a in m["attention"].items()
+            },
+            "weight_convert_gbps": (
+                g["convert_gbps"],
+                f"{here}: the experts_acc piece (XLA dequantises the slot's FP8 weights, then ragged dots) on one 7168 x 2048 expert, 16 rows, median",
+            ),
+        },
+        "link": {
+            "h2d_gbps": (m["hop_gbps"], f"{here}: jax.device_put of 8 MiB between two CPU devices, median"),
+            "d2h_gbps": (m["hop_gbps"], f"{here}: as h2d_gbps (the same copy)"),
+            "interconnect": ("host", "measured: stand-ins share host memory"),
+        },
+        "overheads": {
+            k: (
+                max(m["overheads"][k], 0.0),
+                f"{here}: engine trace of the tiny model, median slice of {what} + the median gap between "
+                f"two ops' slices ({m['overheads']['gap_s'] * 1e6:.0f} us: the executor's own work)",
+            )
+            for k, what in (
+                ("acc_op_s", "accelerator pieces"),
+                ("cpu_op_s", "experts_cpu"),
+                ("hop_s", "d2h/h2d"),
+                ("stage_s", "stage (slp)"),
+                ("load_s", "load (slp)"),
+                ("unload_s", "unload (slp)"),
+            )
+        },
+        "schedule": {
+            "auto_slp_min_tokens": (4096, "paper: PAPER.md default (= plan.system.SystemSpec)"),
+            "auto_dslp_min_tokens": (4096, "paper: PAPER.md default (= plan.system.SystemSpec)"),
+            "cpu_prefill_chunk_tokens": (2048, "paper: PAPER.md default (= plan.system.SystemSpec)"),
+            "slp_experts_per_slot": (1, "paper: PAPER.md default (= plan.system.SystemSpec)"),
+        },
+    }
+    sec["overheads"]["step_s"] = (
+        m["overheads"]["step_s"],
+        f"{here}: tiny-model decode steps, median host time outside the plan (step inputs + sampling)",
+    )
+    sec["overheads"]["collective_s"] = (
+        m["overheads"]["acc_op_s"],
+        "derived: = acc_op_s (a stand-in collective is one more XLA computation; not traced here)",
+    )
+    lines = [
+        "# This machine, written by `hmoe calibrate` (hmoe_jax/measure/): every value measured",
+        "# here or derived from a measurement. Re-run it to refresh; do not edit by hand.",
+        'format = "hmoe-sim-profile/1"',
+        'name = "local"',
+        f"comment = {json.dumps('this machine, ' + m['cpu_model'] + ', calibrated ' + day)}",
+    ]
+    for s, kv in sec.items():
+        lines += ["", f"[{s}]"] + [f"{k} = {_leaf(v, src)}" for k, (v, src) in kv.items()]
+    text = "\n".join(lines) + "\n"
+    path.write_text(text)
+    return text
