@@ -87,8 +87,10 @@ def test_cli_engine_flag_errors(tmp_path, capsys):
     base = ["generate", "--tokens", "5,6", "--quiet", "--no-warmup"]
     assert cli.main([*base, "--schedule", "slp", "--top-k", "-2"]) == 1
     assert "top_k must be >= 0" in capsys.readouterr().err
-    assert cli.main([*base, "--top-k", "5"]) == 1  # the plain path has no top-k
-    assert "--top-k needs the hybrid engine" in capsys.readouterr().err
+    assert cli.main([*base, "--top-k", "-1"]) == 1  # the plain path (reference) validates the same way
+    assert "top_k must be >= 0" in capsys.readouterr().err
+    assert cli.main([*base, "--seed", "-1"]) == 1
+    assert "seed must be in [0, 2^32)" in capsys.readouterr().err
     assert cli.main([*base, "--schedule", "slp", "--link-gbps", "0"]) == 1
     assert "--link-gbps must be > 0" in capsys.readouterr().err
     assert cli.main([*base, "--schedule", "slp", "--acc-tflops-cap", "-1"]) == 1
