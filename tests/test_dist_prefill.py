@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from hmoe_jax.engine.engine import Engine
-from hmoe_jax.model.generate import generate
+from hmoe_jax.model.generate import greedy_rollout
 from hmoe_jax.model.model import forward, forward_nocache, init_cache
 from hmoe_jax.model.params import MoEParams
 from hmoe_jax.parallel.mesh import make_mesh
@@ -40,7 +40,7 @@ def _expert_leaf_bytes(experts, lo, hi) -> int:
 
 # One prompt length for every case, so each compiled program (reference and distributed) is
 # reused across cases: 13 is a multiple of 2N for no N, so every case pads and masks.
-T, NEW, MAX_LEN = 13, 8, 64  # MAX_LEN: generate()'s cache bucket for T + NEW
+T, NEW, MAX_LEN = 13, 8, 64  # MAX_LEN: greedy_rollout()'s cache bucket for T + NEW
 
 
 @functools.cache
@@ -107,13 +107,13 @@ def test_dist_prefill_matches_reference(scheme, fp8, n):
 @pytest.mark.parametrize("scheme,fp8,n", [("smallep", False, 2), ("ep", True, 2)])
 def test_greedy_continuation_after_dist_prefill(scheme, fp8, n):
     params, prompt, *_ = _case(fp8)
-    ref = generate(params, CFG, prompt, NEW, stop_ids=())
+    ref = greedy_rollout(params, CFG, prompt, NEW)
     got = _engine(fp8, n).generate(prompt, NEW, schedule=SCHEDULE[scheme], stop_ids=())
     assert got.schedule == SCHEDULE[scheme]
-    assert got.tokens == ref.tokens
+    assert got.tokens == ref
     # and the teacher-forced argmax of the whole rollout agrees (decode-consistency)
-    full = np.asarray(forward_nocache(params, CFG, jnp.asarray([prompt + ref.tokens[:-1]])))[0]
-    assert full[len(prompt) - 1 :].argmax(-1).tolist() == ref.tokens
+    full = np.asarray(forward_nocache(params, CFG, jnp.asarray([prompt + ref[:-1]])))[0]
+    assert full[len(prompt) - 1 :].argmax(-1).tolist() == ref
 
 
 @pytest.mark.parametrize("fp8", [False, True])

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from hmoe_jax.model.generate import generate
+from hmoe_jax.model.generate import greedy_rollout
 from hmoe_jax.model.params import MoEParams
 from hmoe_jax.plan import costs
 from hmoe_jax.plan.costs import layer_rest_bytes
@@ -109,8 +109,8 @@ def test_engine_run_streams_each_ranks_experts_once(name):
         trace = TraceRecorder()
         cache = eng.new_cache(64)
         logits, run, _, plan = eng.prefill(np.asarray(prompt), cache, name, trace=trace)
-        ref = generate(params, cfg, prompt, 1, stop_ids=())
-        assert int(np.argmax(np.asarray(logits[-1]))) == ref.tokens[0]
+        ref = greedy_rollout(params, cfg, prompt, 1)
+        assert int(np.argmax(np.asarray(logits[-1]))) == ref[0]
     finally:
         eng.close()
     el = cfg.n_routed_experts // n

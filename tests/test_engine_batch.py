@@ -1,7 +1,7 @@
 """Many sequences through the engine: 1..6 requests with different prompt lengths, admitted
 at different steps and finishing at different steps, decode together in batched steps
 (rows of the KV pool at their own positions); each must get exactly the tokens of the
-independent reference rollout (hmoe_jax.model.generate: plain model, dense attention,
+independent reference rollout (hmoe_jax.model.generate.greedy_rollout: plain model, dense attention,
 experts_ref, one sequence), for every registered prefill schedule (f32 policy: exact
 maths up to f32 summation order, so greedy tokens are identical). Also: the pool frees
 rows when sequences finish or are cancelled, and says clearly when it is exhausted.
@@ -16,7 +16,7 @@ import pytest
 
 from hmoe_jax.config import named_model_config
 from hmoe_jax.engine.engine import Engine, PoolExhausted
-from hmoe_jax.model.generate import generate
+from hmoe_jax.model.generate import greedy_rollout
 from hmoe_jax.model.sampling import SamplingParams
 from hmoe_jax.plan.system import SystemSpec
 from hmoe_jax.runtime.synthetic import random_params
@@ -37,7 +37,7 @@ def model():
     params = random_params(cfg, seed=11)
     rng = np.random.default_rng(5)
     prompts = [[int(t) for t in rng.integers(2, cfg.vocab_size, n)] for n, _, _ in REQUESTS]
-    refs = [generate(params, cfg, p, m, stop_ids=()).tokens for p, (_, m, _) in zip(prompts, REQUESTS)]
+    refs = [greedy_rollout(params, cfg, p, m) for p, (_, m, _) in zip(prompts, REQUESTS)]
     return cfg, params, prompts, refs
 
 

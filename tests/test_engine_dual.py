@@ -1,6 +1,6 @@
 """Dual-batch attention/MoE overlap (engine/dual.py): two decode micro-batches run as two
 plans on two threads that share one lock per resource. Exact: every sequence gets the
-tokens of the independent reference rollout (hmoe_jax.model.generate: plain model, one
+tokens of the independent reference rollout (hmoe_jax.model.generate.greedy_rollout: plain model, one
 sequence). Concurrent: in the trace, accelerator slices of one micro-batch overlap CPU
 expert slices of the other (absent when the micro-batches run one after the other)."""
 
@@ -14,7 +14,7 @@ import pytest
 
 from hmoe_jax.config import named_model_config
 from hmoe_jax.engine.dual import dual_step, layer_times, split_micro_batches
-from hmoe_jax.model.generate import generate
+from hmoe_jax.model.generate import greedy_rollout
 from hmoe_jax.model.sampling import SamplingParams
 from hmoe_jax.plan.trace import TraceRecorder
 from hmoe_jax.policies.base import overlap_bound
@@ -31,7 +31,7 @@ def model():
     params = random_params(cfg, seed=21)
     rng = np.random.default_rng(4)
     prompts = [[int(t) for t in rng.integers(2, cfg.vocab_size, n)] for n in LENGTHS]
-    refs = [generate(params, cfg, p, NEW, stop_ids=()).tokens for p in prompts]
+    refs = [greedy_rollout(params, cfg, p, NEW) for p in prompts]
     return cfg, params, prompts, refs
 
 

@@ -1,6 +1,6 @@
 """Model components against independent references: numpy re-derivations and HF's own
 modules (rope parameters, rotary embedding, router, MoE block), FP8 handling, and the
-one-line errors of forward/generate."""
+one-line errors of forward/check_prompt."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hmoe_jax.config import RopeConfig, named_model_config
-from hmoe_jax.model.generate import generate, sample
+from hmoe_jax.model.generate import check_prompt
 from hmoe_jax.model.layers import linear, rms_norm
 from hmoe_jax.model.mla import mla_attend, mla_attend_expanded, mla_attention, mla_qkv
 from hmoe_jax.model.model import forward, forward_nocache, init_cache
@@ -337,21 +337,6 @@ def test_fp8_params_equal_dequantized_dense(ds_model):
     assert np.abs(a - f32).max() > 1e-4 * np.abs(f32).max()  # and FP8 did change the weights
 
 
-def test_sample_greedy_and_top_p():
-    logits = jnp.asarray(RNG.standard_normal(50).astype(np.float32))
-    key = jax.random.key(0)
-    assert int(sample(logits, key, 0.0, 1.0)) == int(np.argmax(logits))
-    # top_p tiny: only the most likely token survives, whatever the temperature and key.
-    assert {int(sample(logits, jax.random.key(s), 2.0, 1e-6)) for s in range(5)} == {int(np.argmax(logits))}
-    # top_p 0.5: samples stay within the numpy nucleus.
-    p = np.exp(np.asarray(logits) - np.asarray(logits).max())
-    p /= p.sum()
-    order = np.argsort(-p)
-    nucleus = set(order[: np.searchsorted(np.cumsum(p[order]), 0.5) + 1].tolist())
-    draws = {int(sample(logits, jax.random.key(s), 1.0, 0.5)) for s in range(40)}
-    assert draws <= nucleus and len(draws) > 1
-
-
 def test_bad_inputs_name_the_problem(ds_model):
     cfg, _, state = ds_model
     params = params_from_state(cfg, state)
@@ -362,6 +347,6 @@ def test_bad_inputs_name_the_problem(ds_model):
     with pytest.raises(ValueError, match="tokens batch 1 != cache batch 2"):
         forward(params, cfg, np.array([[1, 2]]), init_cache(cfg, 2, 8), 0)
     with pytest.raises(ValueError, match="exceeds the context max_position_embeddings=4096"):
-        generate(params, cfg, [3] * 4090, 10)
+        check_prompt(cfg, [3] * 4090, 10)
     with pytest.raises(ValueError, match="token id -1 out of range"):
-        generate(params, cfg, [3, -1], 4)
+        check_prompt(cfg, [3, -1], 4)

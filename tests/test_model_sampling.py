@@ -45,6 +45,18 @@ def test_frequencies_match_the_filtered_distribution(t, p, k):
     assert (np.abs(got - ref) <= tol).all(), (got.round(3), ref.round(3))
 
 
+def test_a_tiny_top_p_keeps_only_the_most_likely_token():
+    """The top token always stays: with top_p below its probability nothing else is drawn,
+    whatever the temperature and seed."""
+    logits = np.random.default_rng(3).normal(size=(1, V)).astype(np.float32)
+    drawn = {
+        int(sample_batch(logits, [SamplingParams(temperature=t, top_p=1e-6, seed=s)], [s])[0])
+        for t in (0.5, 2.0)
+        for s in range(5)
+    }
+    assert drawn == {int(logits.argmax())}
+
+
 def test_a_rows_draw_depends_on_its_seed_and_step_only():
     logits = np.random.default_rng(2).normal(size=(3, V)).astype(np.float32)
     sp = SamplingParams(temperature=1.0, seed=77)

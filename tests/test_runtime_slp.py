@@ -16,7 +16,7 @@ import pytest
 
 from hmoe_jax.config import named_model_config
 from hmoe_jax.engine.engine import Engine
-from hmoe_jax.model.generate import generate, teacher_forced_logits
+from hmoe_jax.model.generate import greedy_rollout, teacher_forced_logits
 from hmoe_jax.model.params import MoEParams
 from hmoe_jax.plan.system import SystemSpec
 from hmoe_jax.plan.trace import TraceRecorder
@@ -336,7 +336,7 @@ def _reference():
     prompt = [int(t) for t in np.random.default_rng(7).integers(2, cfg.vocab_size, 12)]
     return (
         prompt,
-        generate(params, cfg, prompt, 4, stop_ids=()).tokens,
+        greedy_rollout(params, cfg, prompt, 4),
         teacher_forced_logits(params, cfg, prompt),
     )
 

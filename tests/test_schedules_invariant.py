@@ -1,5 +1,5 @@
 """The Done-when invariant: every registered schedule generates exactly the reference greedy
-rollout (hmoe_jax.model.generate with experts_ref) on tiny f32 and FP8 models, on 1, 2 and 4
+rollout (hmoe_jax.model.generate.greedy_rollout with experts_ref) on tiny f32 and FP8 models, on 1, 2 and 4
 stand-in accelerators, and its prefill logits match the teacher-forced reference.
 
 Adding one line to hmoe_jax/schedules/registry.py brings a new schedule under this test.
@@ -23,7 +23,7 @@ import pytest
 
 from hmoe_jax.config import named_model_config
 from hmoe_jax.engine.engine import Engine
-from hmoe_jax.model.generate import generate, teacher_forced_logits
+from hmoe_jax.model.generate import greedy_rollout, teacher_forced_logits
 from hmoe_jax.runtime.synthetic import random_params
 from hmoe_jax.schedules.registry import schedule_class, schedule_names
 from tests.helpers import reference_engine
@@ -39,9 +39,9 @@ def model(dtype: str):
         cfg = dataclasses.replace(cfg, quant=None)
     params = random_params(cfg, seed=3)
     prompt = [int(t) for t in np.random.default_rng(7).integers(2, cfg.vocab_size, PROMPT_LEN)]
-    ref = generate(params, cfg, prompt, NEW_TOKENS, stop_ids=())
+    ref = greedy_rollout(params, cfg, prompt, NEW_TOKENS)
     ref_logits = teacher_forced_logits(params, cfg, prompt)
-    return cfg, params, prompt, ref.tokens, ref_logits
+    return cfg, params, prompt, ref, ref_logits
 
 
 @functools.cache

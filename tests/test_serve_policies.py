@@ -2,7 +2,7 @@
 mixed arrival traces (requests arriving while others prefill and decode, cancellations,
 short prompts by chunked prefill and long ones by dslp / background slp), gives every
 request exactly the tokens it gets alone: the independent reference rollout
-(hmoe_jax.model.generate: plain model, dense attention, experts_ref), greedy, f32 policy.
+(hmoe_jax.model.generate.greedy_rollout: plain model, dense attention, experts_ref), greedy, f32 policy.
 
 Adding one line to hmoe_jax/policies/registry.py brings a new policy under this test.
 """
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from hmoe_jax.config import named_model_config
-from hmoe_jax.model.generate import generate
+from hmoe_jax.model.generate import greedy_rollout
 from hmoe_jax.model.sampling import SamplingParams
 from hmoe_jax.policies.base import Chunk, Decode, Pending, PolicyError, Prefill, View
 from hmoe_jax.policies.registry import get_policy, policy_names
@@ -51,7 +51,7 @@ def model():
     params = random_params(cfg, seed=21)
     rng = np.random.default_rng(8)
     prompts = [[int(t) for t in rng.integers(2, cfg.vocab_size, n)] for n, *_ in TRACE]
-    refs = [generate(params, cfg, p, m, stop_ids=()).tokens for p, (_, m, _, _) in zip(prompts, TRACE)]
+    refs = [greedy_rollout(params, cfg, p, m) for p, (_, m, _, _) in zip(prompts, TRACE)]
     return cfg, params, prompts, refs
 
 

@@ -2,8 +2,8 @@
 
 Interfaces are stable (other tools call them):
   hmoe generate [--checkpoint DIR] (--prompt TEXT | --tokens 1,2,3) [--max-new-tokens N]
-                [--temperature T] [--top-p P] [--seed S] [--ignore-eos] [--max-context N] [--json]
-                [--schedule NAME --devices N --trace FILE --link-gbps X --acc-tflops-cap Y --system S]  (hybrid engine)
+                [--temperature T] [--top-p P] [--top-k K] [--seed S] [--ignore-eos] [--max-context N] [--json]
+                [--schedule NAME --devices N --trace FILE --link-gbps X --acc-tflops-cap Y --system S]  (the engine)
   hmoe logits   [--checkpoint DIR] --tokens 1,2,3 --out FILE.npy
   hmoe convert  --checkpoint IN --out OUT [--format fp8|bf16|f32|arena] [--shard-bytes N]
   hmoe plan     (--model NAME | --config FILE) --system PROFILE --schedule slp|dslp|cpu|auto --prompt-len T
@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hmoe", description="CPU-GPU hybrid MoE inference (DeepSeek-V3 / Kimi-K2) in JAX"
     )
     sub = ap.add_subparsers(dest="command", required=True)
-    add_generate_parser(sub)  # hmoe generate: plain model path or the hybrid engine
+    add_generate_parser(sub)  # hmoe generate: the engine (the embedded model: its reference schedule)
     add_logits_parser(sub)  # hmoe logits: teacher-forced logits
     add_convert_parser(sub)  # hmoe convert: checkpoint formats, the host weight arena
     add_plan_parser(sub)  # hmoe plan: memory and time budget of a plan, no weights

@@ -1,9 +1,12 @@
-"""`hmoe generate`: text or token ids from a prompt, on the plain one-device model path or
-on the hybrid engine (--schedule NAME; a --checkpoint runs `auto` by default).
+"""`hmoe generate`: text or token ids from a prompt, on the hybrid engine (Engine.generate,
+the one generate loop; model/sampling.py, the one sampler). --schedule picks the prefill
+schedule; without it a --checkpoint runs `auto` and the embedded tiny model `reference`
+(the plain model forward as one op), so one --seed draws one token stream on every path.
 
   hmoe generate [--checkpoint DIR] (--prompt TEXT | --tokens 1,2,3) [--max-new-tokens N]
-                [--temperature T] [--top-p P] [--seed S] [--ignore-eos] [--max-context N] [--json]
-                [--schedule NAME --devices N --trace FILE --link-gbps X --acc-tflops-cap Y --system S]
+                [--temperature T] [--top-p P] [--top-k K] [--seed S] [--ignore-eos] [--max-context N]
+                [--schedule NAME --precision P --devices N --trace FILE --link-gbps X --acc-tflops-cap Y
+                 --system S] [--no-warmup] [--json]
 
 With --json the LAST stdout line is one JSON object. set_gpu_mem_fraction sizes JAX's GPU
 allocator from the plan's memory budget before the backend starts (cli/app.py calls it).
@@ -31,46 +34,13 @@ from hmoe_jax.cli.run import (
 from hmoe_jax.io.errors import InputError
 
 
-def _warmup(run: Run, ids: list[int], max_new_tokens: int, temperature: float, top_p: float) -> float:
-    """Compile what generate() will run (prefill, decode step, sampling, key splits) so
-    that TTFT and decode times measure execution, not XLA compilation. Returns seconds."""
-    import numpy as np
-
-    from hmoe_jax.model.generate import generate
-    from hmoe_jax.model.model import forward, init_cache
-    from hmoe_jax.plan.buckets import cache_len
-
-    t0 = time.perf_counter()
-    n_warm = min(2, max_new_tokens)
-    generate(
-        run.params,
-        run.cfg,
-        ids,
-        n_warm,
-        expert_fn=run.expert_fn,
-        temperature=temperature,
-        top_p=top_p,
-        stop_ids=(),
-    )
-
-    if cache_len(len(ids) + max_new_tokens) != cache_len(len(ids) + n_warm):
-        # The real run uses a longer cache: its prefill and decode are other shapes.
-        cache = init_cache(run.cfg, 1, cache_len(len(ids) + max_new_tokens))
-        _, cache = forward(run.params, run.cfg, np.asarray([ids], np.int32), cache, 0, run.expert_fn)
-        logits, _ = forward(
-            run.params, run.cfg, np.asarray([ids[-1:]], np.int32), cache, len(ids), run.expert_fn
-        )
-        logits.block_until_ready()
-    return time.perf_counter() - t0
-
-
 def _median_s(decode_s: list[float]) -> float:
     return float(statistics.median(decode_s)) if decode_s else float("nan")
 
 
 def _generate_record(run: Run, ids: list[int], res: Any, text: str, warmup_s: float) -> dict[str, Any]:
-    """The fields every `generate --json` line has, whichever path produced `res`
-    (tpot_s: median seconds per token after the first, on both paths)."""
+    """The run-independent fields of a `generate --json` line (tpot_s: median seconds per
+    token after the first)."""
     tpot_s = _median_s(res.decode_s)
     return {
         "model": run.model,
@@ -87,65 +57,31 @@ def _generate_record(run: Run, ids: list[int], res: Any, text: str, warmup_s: fl
     }
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    from hmoe_jax.model.generate import generate
+def default_schedule(args: argparse.Namespace) -> str:
+    """--schedule, else `auto` for a --checkpoint (a real-scale model needs the hybrid
+    placement) and `reference` for the embedded tiny model (the plain model forward)."""
+    return args.schedule or ("auto" if getattr(args, "checkpoint", None) else "reference")
 
-    if args.max_new_tokens < 1:
-        raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.temperature < 0 or not 0 < args.top_p <= 1:
-        raise InputError(
-            f"need --temperature >= 0 and 0 < --top-p <= 1, got {args.temperature} and {args.top_p}"
-        )
-    run = build_run(args)
-    ids = prompt_ids(args, run)
-    source = "--tokens" if args.tokens is not None else f"--prompt (encoded by {run.tokenizer.name})"
-    check_context(len(ids), args.max_new_tokens, run, source)
-    temperature, top_p = float(args.temperature), float(args.top_p)
-    # A real checkpoint runs the hybrid engine (auto) unless told otherwise: the plain
-    # one-device model.generate cannot hold a real-scale model. The embedded tiny default
-    # keeps the plain path unless --schedule is given.
-    schedule = args.schedule or ("auto" if getattr(args, "checkpoint", None) else "none")
-    if schedule != "none":
-        args.schedule = schedule
-        return cmd_generate_engine(args, run, ids)
-    if args.top_k:
-        raise InputError(
-            "--top-k needs the hybrid engine (--schedule NAME); the plain path has temperature/top-p"
-        )
-    warmup_s = 0.0 if args.no_warmup else _warmup(run, ids, args.max_new_tokens, temperature, top_p)
-    res = generate(
-        run.params,
-        run.cfg,
-        ids,
-        args.max_new_tokens,
-        expert_fn=run.expert_fn,
-        temperature=temperature,
-        top_p=top_p,
-        seed=args.seed,
+
+def sampling_params(args: argparse.Namespace) -> Any:
+    """The request's SamplingParams, validated before the model loads (InputError)."""
+    from hmoe_jax.model.sampling import SamplingParams
+
+    sampling = SamplingParams(
+        temperature=float(args.temperature),
+        top_p=float(args.top_p),
+        top_k=int(args.top_k),
+        seed=int(args.seed),
+        max_new_tokens=int(args.max_new_tokens),
         stop_ids=() if args.ignore_eos else None,
     )
-    text = run.tokenizer.decode(res.tokens)
-    tpot_s = res.tpot_s
-    print(text)
-    rate = f", {1.0 / tpot_s:.1f} tokens/s" if math.isfinite(tpot_s) and tpot_s > 0 else ""
-    print(
-        f"[{run.model}] prompt {len(ids)} tokens, generated {len(res.tokens)}; "
-        f"TTFT {res.ttft_s * 1e3:.1f} ms, decode {tpot_s * 1e3:.2f} ms/token (median){rate}"
-        + (f"; warmup/compile {warmup_s:.2f} s" if warmup_s else "")
-    )
-    if args.json:
-        record = {
-            **_generate_record(run, ids, res, text, warmup_s),
-            "temperature": temperature,
-            "top_p": top_p,
-            "seed": args.seed,
-            "schedule": "none",  # plain model.generate; --schedule runs the hybrid engine
-        }
-        print(json.dumps(record))
-    return 0
+    try:
+        return sampling.validate()
+    except ValueError as e:
+        raise InputError(str(e)) from None
 
 
-# ---- hybrid engine flags (hmoe_jax.engine.engine; owner: engine) ----------------------
+# ---- engine flags (hmoe_jax.engine.engine) ----------------------------------------
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -153,10 +89,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument(
         "--schedule",
-        choices=sorted(set(schedule_names()) | {"dslp", "none"}),
+        choices=sorted(set(schedule_names()) | {"dslp"}),
         default=None,
-        help="run the hybrid engine with this prefill schedule (decode: routed experts on the CPU); "
-        "default: auto with --checkpoint, none (plain one-device model.generate) for the embedded model",
+        help="the engine's prefill schedule (decode: routed experts on the CPU); default: auto with "
+        "--checkpoint, reference (the plain model forward) for the embedded model",
     )
     p.add_argument(
         "--precision",
@@ -193,26 +129,26 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def cmd_generate_engine(args: argparse.Namespace, run: Run, ids: list[int]) -> int:
+def cmd_generate(args: argparse.Namespace) -> int:
     from hmoe_jax.engine.engine import Engine
-    from hmoe_jax.model.sampling import SamplingParams
     from hmoe_jax.plan.system import SystemSpec, load_system
     from hmoe_jax.plan.trace import TraceRecorder
+    from hmoe_jax.runtime.placement import PlacementError
+    from hmoe_jax.schedules.base import ScheduleError
     from hmoe_jax.schedules.registry import SCHEDULES
 
-    sampling = SamplingParams(
-        temperature=float(args.temperature),
-        top_p=float(args.top_p),
-        top_k=int(args.top_k),
-        seed=int(args.seed),
-    )
-    try:
-        sampling.validate()
-    except ValueError as e:
-        raise InputError(str(e)) from None
-    if args.schedule not in SCHEDULES:
+    # Flag errors before the model loads.
+    if args.max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise InputError(
-            f"--schedule {args.schedule}: not registered in this build (registered: {sorted(SCHEDULES)})"
+            f"need --temperature >= 0 and 0 < --top-p <= 1, got {args.temperature} and {args.top_p}"
+        )
+    sampling = sampling_params(args)
+    schedule = default_schedule(args)
+    if schedule not in SCHEDULES:
+        raise InputError(
+            f"--schedule {schedule}: not registered in this build (registered: {sorted(SCHEDULES)})"
         )
     if args.link_gbps is not None and args.link_gbps <= 0:
         raise InputError(f"--link-gbps must be > 0, got {args.link_gbps}")
@@ -220,11 +156,12 @@ def cmd_generate_engine(args: argparse.Namespace, run: Run, ids: list[int]) -> i
         raise InputError(f"--acc-tflops-cap must be > 0, got {args.acc_tflops_cap}")
     if args.trace is not None and not args.trace.resolve().parent.is_dir():
         raise InputError(f"--trace: directory {args.trace.parent} does not exist")
+    run = build_run(args)
+    ids = prompt_ids(args, run)
+    source = "--tokens" if args.tokens is not None else f"--prompt (encoded by {run.tokenizer.name})"
+    check_context(len(ids), args.max_new_tokens, run, source)
     devices = args.devices or 1
     system = load_system(args.system, devices) if args.system else SystemSpec(num_accelerators=devices)
-    from hmoe_jax.runtime.placement import PlacementError
-    from hmoe_jax.schedules.base import ScheduleError
-
     try:
         eng = Engine(
             run.host_params,
@@ -237,14 +174,15 @@ def cmd_generate_engine(args: argparse.Namespace, run: Run, ids: list[int]) -> i
             max_batch=1,
             max_len=len(ids) + args.max_new_tokens,
         )
-        stops = () if args.ignore_eos else None
-        t0 = time.perf_counter()
-        if not args.no_warmup:  # compile prefill + decode pieces of this schedule and length
-            eng.generate(ids, min(2, args.max_new_tokens), schedule=args.schedule, stop_ids=())
-        warmup_s = time.perf_counter() - t0 if not args.no_warmup else 0.0
+        warmup_s = 0.0 if args.no_warmup else _warmup(eng, ids, schedule, sampling)
         trace = TraceRecorder() if args.trace is not None else None
         res = eng.generate(
-            ids, args.max_new_tokens, schedule=args.schedule, stop_ids=stops, trace=trace, sampling=sampling
+            ids,
+            sampling.max_new_tokens,
+            schedule=schedule,
+            stop_ids=sampling.stop_ids,
+            trace=trace,
+            sampling=sampling,
         )
     except (PlacementError, ScheduleError) as e:
         raise InputError(str(e)) from None
@@ -255,9 +193,12 @@ def cmd_generate_engine(args: argparse.Namespace, run: Run, ids: list[int]) -> i
     text = run.tokenizer.decode(res.tokens)
     tpot_s = _median_s(res.decode_s)
     print(text)
+    rate = f", {1.0 / tpot_s:.1f} tokens/s" if math.isfinite(tpot_s) and tpot_s > 0 else ""
     print(
-        f"[{run.model}] schedule {res.schedule} ({args.schedule}) on {eng.placement.describe()}; prompt {len(ids)} "
-        f"tokens, generated {len(res.tokens)}; TTFT {res.ttft_s * 1e3:.1f} ms, decode {tpot_s * 1e3:.2f} ms/token"
+        f"[{run.model}] schedule {res.schedule} ({schedule}) on {eng.placement.describe()}; prompt {len(ids)} "
+        f"tokens, generated {len(res.tokens)}; TTFT {res.ttft_s * 1e3:.1f} ms, decode {tpot_s * 1e3:.2f} "
+        f"ms/token (median){rate}"
+        + (f"; warmup/compile {warmup_s:.2f} s" if warmup_s else "")
         + (f"; trace {args.trace}" if args.trace else "")
     )
     if args.json:
@@ -267,9 +208,9 @@ def cmd_generate_engine(args: argparse.Namespace, run: Run, ids: list[int]) -> i
             "top_p": sampling.top_p,
             "top_k": sampling.top_k,
             "precision": args.precision,
-            "seed": args.seed,
+            "seed": sampling.seed,
             "schedule": res.schedule,
-            "schedule_requested": args.schedule,
+            "schedule_requested": schedule,
             "devices": devices,
             "system": system.name,
             "link_gbps": args.link_gbps,
@@ -280,6 +221,20 @@ def cmd_generate_engine(args: argparse.Namespace, run: Run, ids: list[int]) -> i
         }
         print(json.dumps(record))
     return 0
+
+
+def _warmup(eng: Any, ids: list[int], schedule: str, sampling: Any) -> float:
+    """Compile what the timed run executes (this schedule's prefill of this prompt, the
+    decode step on the same pool shapes, the sampler for these parameters) with a 2-token
+    run, so TTFT and decode times measure execution, not XLA compilation. It draws from a
+    fresh request (token n's key is fold_in(key(seed), n)), so the timed stream is the
+    same with or without it. Returns seconds."""
+    import dataclasses
+
+    t0 = time.perf_counter()
+    short = dataclasses.replace(sampling, max_new_tokens=min(2, sampling.max_new_tokens), stop_ids=())
+    eng.generate(ids, short.max_new_tokens, schedule=schedule, stop_ids=(), sampling=short)
+    return time.perf_counter() - t0
 
 
 def add_generate_parser(sub: Any) -> None:
@@ -308,8 +263,8 @@ def set_gpu_mem_fraction(args: argparse.Namespace) -> float | None:
     if getattr(args, "command", None) != "generate" or "XLA_PYTHON_CLIENT_MEM_FRACTION" in os.environ:
         return None
     ckpt = getattr(args, "checkpoint", None)
-    schedule = args.schedule or ("auto" if ckpt else "none")
-    if schedule in ("none", "reference") or not ckpt:
+    schedule = default_schedule(args)
+    if schedule == "reference" or not ckpt:  # the embedded tiny model, or a plain forward
         return None
     try:
         from hmoe_jax.config import load_config

@@ -37,9 +37,9 @@ class Run:
 
     @property
     def params(self) -> Any:
-        """host_params on the default device, for the plain model path; placed on first use
-        only, so the engine path (which does its own placement from the host copy) never
-        pays for a whole-model transfer to the default device."""
+        """host_params on the default device, for the plain model forward (`hmoe logits`);
+        placed on first use only, so the engine (which does its own placement from the host
+        copy) never pays for a whole-model transfer to the default device."""
         if self._device_params is None:
             import jax
 

@@ -437,8 +437,11 @@ class Engine:
         sampling: SamplingParams | None = None,
         **options: Any,
     ) -> EngineResult:
-        """One sequence (greedy unless `sampling` says otherwise; a stop id is returned and
-        ends generation, the reference rollout's contract)."""
+        """One sequence, the one generate loop: `hmoe generate` runs it for every --schedule
+        (without one, the embedded model's plain path is schedule="reference"). Greedy unless
+        `sampling` says otherwise; token n is drawn by model/sampling.py with key
+        fold_in(key(seed), n) whatever the schedule, so one seed gives one stream on every
+        path. A stop id is returned and ends generation."""
         params = dataclasses.replace(
             sampling or SamplingParams(),
             max_new_tokens=max_new_tokens,
