@@ -257,3 +257,23 @@ __all__ = [
     "check_pd_policy",
     "describe",
 ]
+
+
+class CoreRunner:
+    """What a runner of the serving core (the Scheduler, the P/D coordinator, SimServer)
+    shows of it: the policy, the decision log and the measured dual/plain step times."""
+
+    core: ServingCore
+
+    @property
+    def policy(self) -> Policy:
+        return self.core.policy
+
+    @property
+    def log(self) -> list[dict[str, Any]]:
+        """Per iteration that decided something: its actions (experiments read it)."""
+        return self.core.log
+
+    @property
+    def step_times(self) -> dict[tuple[int, int], float]:
+        return self.core.step_times

@@ -54,6 +54,7 @@ from hmoe_jax.model.sampling import SamplingParams
 from hmoe_jax.policies.base import Decode, Policy, Prefill
 from hmoe_jax.policies.core import (
     PLAIN_ACTIONS,
+    CoreRunner,
     RequestState,
     ServingCore,
     action_kinds,
@@ -111,7 +112,7 @@ class _Entry:
     cancelled: bool = False  # cancelled while its prompt was on the prefill worker
 
 
-class PDCoordinator:
+class PDCoordinator(CoreRunner):
     """Options: policy (a registered name or a Policy; default fcfs) and its options
     (**policy_options: fcfs takes schedule, the prefill worker's "auto" / "slp" / "cpu" /
     ..., and decode_cap, sequences decoded together), prefill_devices / decode_devices
@@ -204,15 +205,6 @@ class PDCoordinator:
     @property
     def healthy(self) -> bool:
         return all(w.state == "ready" for w in self.workers.values())
-
-    @property
-    def policy(self) -> Policy:
-        return self.core.policy
-
-    @property
-    def log(self) -> list[dict[str, Any]]:
-        """Per decision that ran something: the policy's actions (as Scheduler.log)."""
-        return self.core.log
 
     def pid(self, role: str) -> int | None:
         p = self.workers[role].proc

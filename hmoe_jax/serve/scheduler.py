@@ -36,7 +36,7 @@ from hmoe_jax.model.sampling import SamplingParams
 from hmoe_jax.plan.buckets import cache_len
 from hmoe_jax.plan.trace import TraceRecorder
 from hmoe_jax.policies.base import Chunk, Decode, Policy, Prefill
-from hmoe_jax.policies.core import RequestState, ServingCore
+from hmoe_jax.policies.core import CoreRunner, RequestState, ServingCore
 from hmoe_jax.policies.registry import DEFAULT_POLICY, get_policy
 from hmoe_jax.serve.request import Request, RequestHandle, new_request
 
@@ -54,7 +54,7 @@ class _Entry:
         return self.handle.request
 
 
-class Scheduler:
+class Scheduler(CoreRunner):
     """Options: policy (a registered name or a Policy), **policy_options; trace (a
     TraceRecorder every step records into: Perfetto); clock (seconds; perf_counter).
 
@@ -84,21 +84,8 @@ class Scheduler:
         self._closed = False
 
     @property
-    def policy(self) -> Policy:
-        return self.core.policy
-
-    @property
-    def log(self) -> list[dict[str, Any]]:
-        """Per iteration that ran something: its actions (experiments read it)."""
-        return self.core.log
-
-    @property
     def iterations(self) -> int:
         return self.core.iterations
-
-    @property
-    def step_times(self) -> dict[tuple[int, int], float]:
-        return self.core.step_times
 
     @property
     def last_decode_s(self) -> float | None:

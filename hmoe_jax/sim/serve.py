@@ -51,6 +51,7 @@ from hmoe_jax.policies.base import Chunk, Decode, Policy, PolicyError, Prefill
 from hmoe_jax.policies.core import (
     PLAIN_ACTIONS,
     AdmissionError,
+    CoreRunner,
     RequestState,
     ServingCore,
     Tracked,
@@ -124,7 +125,7 @@ class SimResult:
         }
 
 
-class SimServer:
+class SimServer(CoreRunner):
     """A simulated serving engine on `profile` (its accelerator count unless `devices`).
 
     max_batch / max_len: the KV pool (rows, tokens per row) the engine would have;
@@ -184,19 +185,6 @@ class SimServer:
         self._sub: dict[int, Profile] = {}
         self._plans: dict[tuple, tuple[Plan, str | None]] = {}
         self.no_fit: list[str] = []
-
-    @property
-    def policy(self) -> Policy:
-        return self.core.policy
-
-    @property
-    def log(self) -> list[dict[str, Any]]:
-        """Per iteration that decided something: its actions (as Scheduler.log)."""
-        return self.core.log
-
-    @property
-    def step_times(self) -> dict[tuple[int, int], float]:
-        return self.core.step_times
 
     @property
     def last_decode_s(self) -> float | None:
