@@ -272,3 +272,53 @@ def test_e4m3_unit_roundoff_is_two_to_minus_four():
     assert float(np.array(1.0 + 2.0**-3, np.float32).astype(e4m3)) == 1.0 + 2.0**-3
     assert float(np.array(1.0 + 2.0**-4 * 0.99, np.float32).astype(e4m3)) == 1.0
     assert float(ml_dtypes.finfo(e4m3).smallest_normal) == 2.0**-6
+
+
+# --- the precision policy's accelerator option ---------------------------------------------
+
+
+def test_cpu_policy_is_unchanged_by_the_accelerator_option():
+    """accel_fp8_matmul is ignored on CPU: the same policy object, the same bytes out."""
+    from hmoe_jax.kernels import gemm
+    from hmoe_jax.model import layers
+    from hmoe_jax.model.precision import BF16, F32, policy
+
+    for hooks in ({}, {"fp8_matmul": gemm.fp8_matmul_ref}):
+        plain = policy("bf16", cpu=True, **hooks)
+        opt = policy("bf16", cpu=True, accel_fp8_matmul=F.fp8_linear, **hooks)
+        assert opt == plain and opt.fp8_matmul is plain.fp8_matmul
+        rng = np.random.default_rng(11)
+        w = _weight(rng, (256, 512))
+        x = jnp.asarray(rng.standard_normal((3, 512)), jnp.bfloat16)
+        a, b = layers.policy_linear(x, w, plain), layers.policy_linear(x, w, opt)
+        assert a.dtype == b.dtype and np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    assert (
+        policy("bf16", cpu=False) is BF16 and policy("f32", cpu=False, accel_fp8_matmul=F.fp8_linear) is F32
+    )
+
+
+def test_accelerator_policy_routes_fp8_weights_through_the_kernel():
+    import functools
+
+    from hmoe_jax.model import layers
+    from hmoe_jax.model.precision import BF16, policy
+
+    prec = policy("bf16", cpu=False, accel_fp8_matmul=functools.partial(F.fp8_linear, interpret=True))
+    rng = np.random.default_rng(12)
+    w = _weight(rng, (128, 512))
+    for lead in ((1,), (2, 20)):  # decode tile and the general tile, with batch dims
+        x = jnp.asarray(_acts(rng, int(np.prod(lead)), 512).reshape(*lead, 512), jnp.bfloat16)
+        y = layers.policy_linear(x, w, prec)
+        assert y.shape == (*lead, 128) and y.dtype == jnp.float32
+        y_ref = F.fp8_linear_ref(x, w)
+        x_q, x_s = F.quantize_act_fp8(x.reshape(-1, 512))
+        w_deq = dequantize_np(Fp8Tensor(w=np.asarray(w.w), scale_inv=np.asarray(w.scale_inv)))
+        _check_tight(_f32(y).reshape(-1, 128), _f32(y_ref).reshape(-1, 128), _deq_acts(x_q, x_s), w_deq)
+        # the kernel path, not the bf16 dequantisation (e4m3 activations round differently)
+        assert not np.array_equal(_f32(y), _f32(layers.policy_linear(x, w, BF16)))
+    # a weight the 128-tiling does not cover (kv_a_proj_with_mqa's N = 576) takes the bf16 path
+    w576 = _weight(rng, (576, 512))
+    x = jnp.asarray(rng.standard_normal((4, 512)), jnp.bfloat16)
+    np.testing.assert_array_equal(
+        _f32(layers.policy_linear(x, w576, prec)), _f32(layers.policy_linear(x, w576, BF16))
+    )

@@ -250,6 +250,41 @@ def fp8_gemm_ref(x_q: Any, x_scale: Any, w: Fp8Tensor) -> jax.Array:
     return y.astype(jnp.bfloat16)
 
 
+# --- the precision policy's hook ----------------------------------------------------------
+
+
+def fp8_linear(x: Any, w: Fp8Tensor, *, interpret: bool = False) -> jax.Array:
+    """The bf16 policy's FP8 matmul hook on an accelerator (model/precision.py MatmulFn):
+    x [..., K] -> [..., N] f32 through quantize_act_fp8 + fp8_gemm (the decode tile when
+    the flattened rows are <= 16). Weights the kernel's tiling does not cover (N or K not
+    a multiple of 128, e.g. kv_a_proj_with_mqa's N = 576; non-2D weights) take the policy's
+    own fallback: dequantise to bf16, bf16 dot with f32 accumulation (layers.policy_linear)."""
+    n, k = w.w.shape[-2:]
+    if x.shape[-1] != k:
+        raise ValueError(f"fp8_linear: x shape {tuple(x.shape)} must end in K={k} (the weight's input dim)")
+    if len(w.w.shape) != 2 or n % QBLOCK or k % QBLOCK or (w.block_n, w.block_k) != (QBLOCK, QBLOCK):
+        wd = dequantize(w, jnp.bfloat16)
+        return jnp.einsum("...k,nk->...n", x.astype(jnp.bfloat16), wd, preferred_element_type=jnp.float32)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    x_q, x_s = quantize_act_fp8(x2)
+    if x2.shape[0] <= DECODE_ROWS:
+        y = fp8_gemm_decode(x_q, x_s, w, interpret=interpret)
+    else:
+        y = fp8_gemm(x_q, x_s, w, interpret=interpret)
+    return y.astype(jnp.float32).reshape(*lead, n)
+
+
+def fp8_linear_ref(x: Any, w: Fp8Tensor) -> jax.Array:
+    """fp8_linear through the references (quantize_act_fp8 + fp8_gemm_ref; same fallback)."""
+    n, k = w.w.shape[-2:]
+    if len(w.w.shape) != 2 or n % QBLOCK or k % QBLOCK:
+        wd = dequantize(w, jnp.bfloat16)
+        return jnp.einsum("...k,nk->...n", x.astype(jnp.bfloat16), wd, preferred_element_type=jnp.float32)
+    x_q, x_s = quantize_act_fp8(x.reshape(-1, k))
+    return fp8_gemm_ref(x_q, x_s, w).astype(jnp.float32).reshape(*x.shape[:-1], n)
+
+
 # --- grouped form --------------------------------------------------------------------------
 
 
