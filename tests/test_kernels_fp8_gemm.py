@@ -212,11 +212,12 @@ TRITON_CALL = "__gpu$xla.gpu.triton"
 
 
 def _export_cuda(f, *avals) -> str:
-    exp = jax.export.export(
-        jax.jit(f),
-        platforms=("cuda",),
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)],
-    )(*avals)
+    with F.cuda_lowering_target():
+        exp = jax.export.export(
+            jax.jit(f),
+            platforms=("cuda",),
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)],
+        )(*avals)
     return exp.mlir_module()
 
 

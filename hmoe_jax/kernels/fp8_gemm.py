@@ -23,7 +23,9 @@ On CPU every kernel runs in Pallas interpret mode (`interpret=True`, what the te
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -72,6 +74,19 @@ def _check_weight(op: str, w: Fp8Tensor, ndim: int, k: int) -> None:
     want = (*w.w.shape[:-2], n // QBLOCK, k // QBLOCK)
     if tuple(w.scale_inv.shape) != want:
         raise ValueError(f"{op}: w.scale_inv must be {want}, got {tuple(w.scale_inv.shape)}")
+
+
+@contextlib.contextmanager
+def cuda_lowering_target(device_kind: str = "NVIDIA H100") -> Iterator[None]:
+    """Lower Pallas Triton calls for a GPU this process does not have (jax.export with
+    platforms=("cuda",) on a CPU box). jax >= 0.11 asks the default device for its compute
+    capability and refuses a CPU one; an abstract CUDA device names the target instead.
+    jax 0.10 does not ask, and lowers the same way with or without it."""
+    from jax.sharding import AbstractDevice, AbstractMesh
+
+    target = AbstractDevice(device_kind=device_kind, num_cores=None, platform="cuda")
+    with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("_",), abstract_device=target)):
+        yield
 
 
 # --- activation quantisation ---------------------------------------------------------------
