@@ -198,6 +198,11 @@ def test_fp8_gemm_grouped_traced_sizes_and_errors():
         y = f(jnp.asarray(sizes, jnp.int32))
         y_ref = F.fp8_gemm_grouped_ref(x_q, x_s, w, sizes)
         np.testing.assert_allclose(_f32(y), _f32(y_ref), rtol=2.0**-7, atol=1e-6)
+    # traced sizes that fall short of M: the uncovered rows are zeros, the rest as the ref
+    y = _f32(f(jnp.asarray([4, 0, 3], jnp.int32)))
+    assert not np.any(y[7:])
+    y_ref = _f32(F.fp8_gemm_grouped_ref(x_q[:7], x_s[:7], w, [4, 0, 3]))
+    np.testing.assert_allclose(y[:7], y_ref, rtol=2.0**-7, atol=1e-6)
     with pytest.raises(ValueError, match="sum to M=10"):
         F.fp8_gemm_grouped(x_q, x_s, w, np.array([4, 4, 1]), interpret=True)
     with pytest.raises(ValueError, match="group_sizes must be \\[3\\]"):

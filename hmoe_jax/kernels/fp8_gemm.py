@@ -368,7 +368,9 @@ def _fp8_gemm_grouped(
     ]
     kernel = functools.partial(_grouped_kernel, n_kb=n_kb, block_m=block_m)
     y = _call(kernel, [tile_group, xq, xs_t, w.w, w.scale_inv], in_specs, m_pad, n, block_m, interpret)
-    return y[dest]
+    # rows past sum(group_sizes) (traced sizes that fall short of M) belong to no group: zeros
+    covered = jnp.arange(m) < jnp.sum(jnp.asarray(group_sizes, jnp.int32))
+    return jnp.where(covered[:, None], y[dest], jnp.zeros((), y.dtype))
 
 
 def fp8_gemm_grouped_ref(x_q: Any, x_scale: Any, w: Fp8Tensor, group_sizes: Any) -> jax.Array:
