@@ -60,12 +60,18 @@ BF16_CPU = Precision("bf16", jnp.bfloat16, jnp.bfloat16, jnp.float32)
 POLICIES = ("bf16", "f32")
 
 
-def policy(name: str, *, cpu: bool, **hooks: MatmulFn | None) -> Precision:
+def policy(
+    name: str, *, cpu: bool, accel_fp8_matmul: MatmulFn | None = None, **hooks: MatmulFn | None
+) -> Precision:
     """The named policy for a backend: `cpu` selects f32 activation dots (XLA:CPU) and
-    allows matmul hooks (our FFI kernels run on CPU devices only)."""
+    allows matmul hooks (our FFI kernels run on CPU devices only). `accel_fp8_matmul` is
+    the accelerator's FP8 GEMM (kernels.fp8_gemm.fp8_linear): the bf16 policy on a non-CPU
+    backend consumes FP8 weights through it instead of a bf16 dequantisation. It is ignored
+    on CPU, so the CPU policy is the same object with or without it."""
     if name == "f32":
         return F32
     if name != "bf16":
         raise ValueError(f"precision {name!r}: expected one of {POLICIES}")
-    base = BF16_CPU if cpu else BF16
-    return dataclasses.replace(base, **hooks) if cpu else base
+    if cpu:
+        return dataclasses.replace(BF16_CPU, **hooks)
+    return dataclasses.replace(BF16, fp8_matmul=accel_fp8_matmul) if accel_fp8_matmul is not None else BF16
