@@ -112,12 +112,37 @@ def test_cli_refuses_before_loading_weights(monkeypatch, capsys):
     assert "hmoe: error: --require-gpu: JAX found no GPU" in capsys.readouterr().err
 
 
-def test_serve_passes_require_gpu_to_its_engines():
+def test_serve_passes_require_gpu_to_its_engines(monkeypatch):
+    """`hmoe serve --pd --require-gpu` hands require_gpu to both workers' Engine options (a
+    stand-in coordinator records them: no worker starts; build_run's own check is passed by
+    loading the model without the flag)."""
+    import hmoe_jax.serve.pd as pd_mod
     from hmoe_jax.cli.app import build_parser
+    from hmoe_jax.cli.run import build_run
+    from hmoe_jax.serve.http_server import build_state
 
-    args = build_parser().parse_args(["serve", "--require-gpu"])
-    assert args.require_gpu is True
-    assert build_parser().parse_args(["serve"]).require_gpu is False
+    seen = {}
+
+    class Recorder:
+        healthy = True
+
+        def __init__(self, checkpoint, policy, **kw):
+            seen.update(kw)
+
+        def wait_ready(self):
+            return self
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(pd_mod, "PDCoordinator", Recorder)
+    args = build_parser().parse_args(["serve", "--pd", "--devices", "2", "--quiet"])
+    assert args.require_gpu is False
+    run = build_run(args)
+    build_state(args, run)
+    assert seen["engine"]["require_gpu"] is False
+    build_state(build_parser().parse_args(["serve", "--pd", "--devices", "2", "--require-gpu"]), run)
+    assert seen["engine"]["require_gpu"] is True
 
 
 def test_late_fraction_warns_once_and_only_on_a_gpu(monkeypatch):
