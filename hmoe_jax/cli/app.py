@@ -4,6 +4,7 @@ Interfaces are stable (other tools call them):
   hmoe generate [--checkpoint DIR] (--prompt TEXT | --tokens 1,2,3) [--max-new-tokens N]
                 [--temperature T] [--top-p P] [--top-k K] [--seed S] [--ignore-eos] [--max-context N] [--json]
                 [--schedule NAME --devices N --trace FILE --link-gbps X --acc-tflops-cap Y --system S]  (the engine)
+                [--require-gpu]  (generate, logits, serve: fail unless JAX found a GPU; engine/gpu.py)
   hmoe logits   [--checkpoint DIR] --tokens 1,2,3 --out FILE.npy
   hmoe convert  --checkpoint IN --out OUT [--format fp8|bf16|f32|arena] [--shard-bytes N]
   hmoe plan     (--model NAME | --config FILE) --system PROFILE --schedule slp|dslp|cpu|auto --prompt-len T
@@ -78,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
     if argv is None and getattr(args, "needs_jax", True):  # `hmoe bench` is an HTTP client: no jax
         enable_compilation_cache()
-        set_gpu_mem_fraction(args)
+        set_gpu_mem_fraction(args)  # generate / serve: from the plan on the real card, before jax starts
     try:
         return args.func(args)
     except (ConfigError, CheckpointError, InputError) as e:

@@ -9,7 +9,8 @@ schedule; without it a --checkpoint runs `auto` and the embedded tiny model `ref
                  --system S] [--no-warmup] [--json]
 
 With --json the LAST stdout line is one JSON object. set_gpu_mem_fraction sizes JAX's GPU
-allocator from the plan's memory budget before the backend starts (cli/app.py calls it).
+allocator from the plan's memory budget on the real card before the backend starts (cli/app.py
+calls it); --require-gpu (cli/run.py) refuses a silent CPU fallback.
 """
 
 from __future__ import annotations
@@ -173,6 +174,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             precision=args.precision,
             max_batch=1,
             max_len=len(ids) + args.max_new_tokens,
+            require_gpu=args.require_gpu,
         )
         warmup_s = 0.0 if args.no_warmup else _warmup(eng, ids, schedule, sampling)
         trace = TraceRecorder() if args.trace is not None else None
@@ -255,36 +257,36 @@ def add_generate_parser(sub: Any) -> None:
 
 
 def set_gpu_mem_fraction(args: argparse.Namespace) -> float | None:
-    """`hmoe generate` on the engine: XLA_PYTHON_CLIENT_MEM_FRACTION from its plan's memory
-    budget (plan/memory.py, estimated: no weights, no jax), so JAX's GPU allocator may take
-    what the plan needs (JAX's default 0.75 of a 32 GB card is less than an slp prefill's
-    peak). JAX reads it once, when its GPU backend starts, which is after this; a value the
-    user set wins; CPU-only runs ignore it. Returns the fraction set, or None."""
-    if getattr(args, "command", None) != "generate" or "XLA_PYTHON_CLIENT_MEM_FRACTION" in os.environ:
-        return None
+    """`hmoe generate` / `hmoe serve` on the engine: XLA_PYTHON_CLIENT_MEM_FRACTION from the
+    plan's memory budget on this machine's real GPU (engine/gpu.py: nvidia-smi, no jax; the
+    plan estimated, no weights), so JAX's GPU allocator may take what the plan needs (JAX's
+    default 0.75 of a 32 GB card is less than an slp prefill's peak). --system gives the
+    rest of the machine; a warning says when its card's memory disagrees with the real one.
+    JAX reads the variable once, when its GPU backend starts, which is after this (cli/app.py
+    calls it first); a value the user set wins; no GPU: nothing set. generate plans its
+    prompt; serve an `auto` plan of a --max-model-len prompt (default 4096), per --pd worker.
+    Returns the fraction set, or None."""
+    command = getattr(args, "command", None)
     ckpt = getattr(args, "checkpoint", None)
-    schedule = default_schedule(args)
-    if schedule == "reference" or not ckpt:  # the embedded tiny model, or a plain forward
+    if command not in ("generate", "serve") or "XLA_PYTHON_CLIENT_MEM_FRACTION" in os.environ or not ckpt:
+        return None  # not the engine, the user's setting, or the embedded tiny model
+    if command == "generate":
+        schedule = default_schedule(args)
+        # prompt tokens: exact for --tokens; the UTF-8 byte count bounds a byte-level BPE's
+        tokens = len(args.tokens.split(",")) if args.tokens else len(args.prompt.encode()) + 2
+        devices = args.devices or 1
+    else:
+        schedule, tokens = "auto", args.max_model_len or 4096
+        devices = max(1, (args.devices or 2) // 2) if getattr(args, "pd", False) else (args.devices or 1)
+    if schedule in ("reference", "none"):  # the plain forward: no plan
         return None
     try:
         from hmoe_jax.config import load_config
-        from hmoe_jax.plan.memory import gpu_mem_fraction
-        from hmoe_jax.plan.system import SystemSpec, load_system
-        from hmoe_jax.schedules.registry import get_schedule
+        from hmoe_jax.engine.gpu import set_gpu_mem_fraction as set_fraction
+        from hmoe_jax.plan.system import load_system
 
         cfg = load_config(Path(ckpt) / "config.json")
-        devices = args.devices or 1
-        system = load_system(args.system, devices) if args.system else SystemSpec(num_accelerators=devices)
-        # prompt tokens: exact for --tokens; the UTF-8 byte count bounds a byte-level BPE's
-        tokens = len(args.tokens.split(",")) if args.tokens else len(args.prompt.encode()) + 2
-        sched = get_schedule(schedule)
-        if schedule == "auto":
-            sched = get_schedule(sched.choose(system, tokens, devices))
-        budget = sched.budget(cfg, system, tokens, devices=sched.uses_devices(devices))
-    except Exception:  # a bad config or system errors later, with its own message
+        system = load_system(args.system, devices) if args.system else None
+        return set_fraction(cfg, schedule, min(tokens, cfg.max_position_embeddings), devices, system)
+    except Exception:  # a bad config, system or schedule errors later, with its own message
         return None
-    if budget is None or not budget.fits:
-        return None  # the engine's plan refuses it with the numbers
-    frac = gpu_mem_fraction(budget, system)
-    os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{frac:.2f}"
-    return frac

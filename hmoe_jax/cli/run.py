@@ -61,11 +61,22 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
         help="context limit in tokens (default: max_position_embeddings)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bars or notes on stderr")
+    p.add_argument(
+        "--require-gpu",
+        action="store_true",
+        help="fail unless JAX found a GPU (a broken CUDA install falls back to CPU with only a warning)",
+    )
 
 
 def build_run(args: argparse.Namespace) -> Run:
-    """Load the model and resolve run options. New run flags plug in here."""
+    """Load the model and resolve run options. New run flags plug in here. JAX's platforms
+    are checked first (engine/gpu.py: the hybrid engine needs the cpu backend; --require-gpu
+    refuses a CPU fallback), before the weights load."""
+    from hmoe_jax.engine.gpu import check_gpu, check_platforms
 
+    check_platforms()
+    if getattr(args, "require_gpu", False):
+        check_gpu(required=True)
     from hmoe_jax.io.default_model import default_checkpoint
     from hmoe_jax.io.loader import load_checkpoint
     from hmoe_jax.io.tokenizer import load_tokenizer

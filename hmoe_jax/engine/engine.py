@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hmoe_jax.config import ModelConfig
+from hmoe_jax.engine import gpu
 from hmoe_jax.model.generate import check_prompt
 from hmoe_jax.model.moe import ExpertFn, experts_ref
 from hmoe_jax.model.params import ModelParams
@@ -126,7 +127,13 @@ class Engine:
     (cap host->acc copies; emulation, never for performance claims), acc_tflops_cap
     (stand-in compute cap), expert_fn ('auto' | 'ref' | 'ffi' | an ExpertFn) for the host
     experts, mode (executor mode of the prefill), decode_mode, copy_threads (staging ring),
-    attn (prefill attention options: form, q_block, k_block)."""
+    attn (prefill attention options: form, q_block, k_block), require_gpu (refuse to run on
+    stand-in CPU devices when JAX found no GPU: a broken CUDA install falls back silently).
+
+    On a GPU (engine/gpu.py): JAX_PLATFORMS must keep the cpu backend (`cuda,cpu`); when
+    JAX's backend is not up yet, the constructor sets XLA_PYTHON_CLIENT_MEM_FRACTION from an
+    `auto` plan of a max_len-token prompt on the real card. To size it for another schedule
+    or prompt, call hmoe_jax.engine.gpu.set_gpu_mem_fraction before the first jax call."""
 
     def __init__(
         self,
@@ -146,9 +153,18 @@ class Engine:
         decode_mode: str = "async",
         copy_threads: int = 2,
         attn: dict[str, Any] | None = None,
+        require_gpu: bool = False,
     ):
         self.cfg = cfg
+        gpu.check_platforms()
+        if not gpu.backend_started():  # else too late: the fraction is read at backend start
+            tokens = min(max_len or 4096, cfg.max_position_embeddings)
+            gpu.set_gpu_mem_fraction(cfg, "auto", tokens, devices, system)
+        else:
+            gpu.warn_if_fraction_unset()
         self.placement = P.make_placement(devices)
+        if require_gpu and self.placement.stand_in:
+            gpu.check_gpu(required=True)
         self.system = system or SystemSpec(num_accelerators=devices)
         self.prec = precision_for(precision, self.placement)
         self.weights = PlacedWeights.place(params, cfg, self.placement, self.prec)

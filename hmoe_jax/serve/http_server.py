@@ -134,7 +134,12 @@ def build_state(args: argparse.Namespace, run: Any) -> tuple[ServerState, Callab
     max_len = args.max_model_len or min(4096, run.max_context)
     if not 1 <= max_len <= run.max_context:
         raise InputError(f"--max-model-len {max_len} must be in [1, {run.max_context}] (the context)")
-    engine_opts = dict(precision=args.precision, max_batch=args.max_num_seqs, max_len=max_len)
+    engine_opts = dict(
+        precision=args.precision,
+        max_batch=args.max_num_seqs,
+        max_len=max_len,
+        require_gpu=getattr(args, "require_gpu", False),
+    )
     policy = _policy(args)
     probes: dict[str, Any] = {}
     if args.pd:
