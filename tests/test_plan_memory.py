@@ -164,11 +164,14 @@ def test_schedules_refuse_a_plan_that_does_not_fit():
     assert p.meta["memory"]["acc_peak_bytes"] < SystemSpec().acc_mem_bytes
 
 
-def test_ring_gets_the_memory_left_when_transfer_bound():
+def test_ring_gets_the_memory_left_less_the_headroom():
     sys1 = load_system(PAPER, 1)
     b = get_schedule("slp").budget(V3, sys1, 8192)
     assert 2 <= b.ring_slots < V3.n_routed_experts  # less than a layer fits beside 19.9 GiB
-    assert b.usable_bytes - b.acc_peak_bytes < b.slot_bytes  # ... and no further slot would
+    # ... and no further slot would beside the 3% headroom (tests/test_ring_policy.py sweeps)
+    headroom = memory.ring_headroom_bytes(sys1)
+    assert headroom == int(0.03 * 32 * GIB)
+    assert headroom <= b.usable_bytes - b.acc_peak_bytes < headroom + b.slot_bytes
     assert get_schedule("slp").plan(V3, sys1, 8192).meta["ring_slots"] == b.ring_slots
 
 
@@ -262,4 +265,5 @@ def test_time_is_priced_at_the_dtype_that_runs():
     assert attn == costs.attn_flops(V3, t, cache_len=t)  # expanded, 1024 x 512 blocks
     k = V3.num_experts_per_tok
     layer = attn + costs.router_flops(V3, t) + costs.shared_flops(V3, t) + costs.expert_flops(V3, t * k)
-    assert p.meta["est_layer_compute_s"] == pytest.approx(layer / (sys1.acc_bf16_tflops * 1e12))
+    # the overlap estimate at the effective rate: peak x the profile's compute_efficiency
+    assert p.meta["est_layer_compute_s"] == pytest.approx(layer / (209e12 * 0.7))

@@ -39,6 +39,11 @@ GIB = 2**30
 # Not available to XLA's buffers: the CUDA context, cuBLAS/cuDNN workspaces and allocator
 # fragmentation (an allowance, not a measurement).
 RESERVE_BYTES = 1 * GIB
+# The slp ring's headroom: slots above the pipeline's minimum of 2 stop this fraction of the
+# accelerator's memory short of full (0.96 GiB of a 32 GiB card), so an underestimated
+# temporary (the estimates are not measurements) or allocator fragmentation costs ring
+# slots instead of an out-of-memory error. A stated allowance, not a measurement.
+RING_HEADROOM_FRACTION = 0.03
 SLP_PIECES = ("attention", "dense_ffn", "route", "shared", "experts_group", "combine", "final")
 
 
@@ -306,6 +311,12 @@ def _pool(tokens: int, start_pos: int, kv_rows: int | None, max_len: int | None)
     return rows, length
 
 
+def ring_headroom_bytes(system: SystemSpec) -> int:
+    """Memory the slp ring policy leaves unused beyond RESERVE_BYTES before it adds a slot
+    above the minimum: RING_HEADROOM_FRACTION of the accelerator's memory."""
+    return int(RING_HEADROOM_FRACTION * system.acc_mem_bytes)
+
+
 def slp_budget(
     cfg: ModelConfig,
     system: SystemSpec,
@@ -313,7 +324,6 @@ def slp_budget(
     *,
     groups_per_layer: int,
     experts_per_slot: int,
-    transfer_bound: bool,
     start_pos: int = 0,
     kv_rows: int | None = None,
     max_len: int | None = None,
@@ -322,11 +332,17 @@ def slp_budget(
     piece_temps: dict[str, int] | None = None,
     attn: dict[str, Any] | None = None,
 ) -> MemoryBudget:
-    """slp's budget and ring size. The ring gets the memory left after resident weights,
-    cache and temporaries: transfer-bound, as many slots as fit up to one layer of groups
-    (the loader never waits on compute); compute-bound, 2 (ping-pong is all the overlap
-    needed). Fewer than 2 slots (1 if a layer is one group) do not fit. ring_slots forces a
-    size (then it must fit as it is)."""
+    """slp's budget and ring size. The ring is sized from memory alone: it gets the memory
+    the plan leaves (usable minus resident weights, KV cache and the largest stage's
+    temporaries) less ring_headroom_bytes, as many slots as that holds, at most one layer
+    of groups (a layer's experts all in flight: the loader never waits on the compute
+    worker) and at least the minimum: 2 slots (1 if a layer is one group), the ping-pong
+    the pipeline needs. The headroom only trims slots above the minimum, so whether a plan
+    fits is decided without it. No rate enters: the size changes with the prompt only as
+    the cache and temporaries grow (so it never grows for a longer prompt) and not at all
+    with the link or compute rates (a faster link never gets a different plan). Fewer than
+    the minimum left: the plan does not fit. ring_slots forces a size (then it must fit as
+    it is)."""
     rows, length = _pool(tokens, start_pos, kv_rows, max_len)
     act = 2 if precision != "f32" else 4
     est = slp_piece_temps(
@@ -337,12 +353,14 @@ def slp_budget(
     cache = cache_bytes(cfg, rows, length, act)
     slot = costs.slot_bytes(cfg, experts_per_slot)
     left = system.acc_mem_bytes - RESERVE_BYTES - resident - cache - temp
-    want = groups_per_layer if transfer_bound else min(2, groups_per_layer)
     need = min(2, groups_per_layer)
     if ring_slots is not None:
         slots, need = int(ring_slots), int(ring_slots)
+    elif left < need * slot:  # does not fit: report what does
+        slots = max(0, left // slot)
     else:
-        slots = max(0, min(want, left // slot))
+        spare = max(0, left - ring_headroom_bytes(system))
+        slots = max(need, min(groups_per_layer, spare // slot))
     return MemoryBudget(
         schedule="slp",
         tokens=tokens,

@@ -20,6 +20,7 @@ from hmoe_jax.plan.profile import Profile, check_value, load_profile
 # built in code is checked exactly like one read from a file
 _RULES = {str: "str", int: "count", float: "pos"}
 _TYPES = {"str": str, "int": int, "float": float}  # annotation text -> type
+_FIELD_RULES = {"acc_compute_efficiency": "frac"}  # fields whose rule is not their type's
 # the profile's [schedule] keys, the same names as the fields below
 _SCHEDULE_KEYS = (
     "auto_slp_min_tokens",
@@ -39,6 +40,10 @@ class SystemSpec:
     acc_fp32_tflops: float = 105.0
     acc_bf16_tflops: float = 209.0
     acc_fp8_tflops: float = 419.0
+    # the fraction of those peaks a piece's GEMMs reach (the profile's
+    # accelerator.compute_efficiency): the slp ring's overlap estimate prices compute at
+    # the effective rate, as the simulator does, not at the peak
+    acc_compute_efficiency: float = 0.7
     acc_mem_bytes: int = 32 * 2**30
     # auto policy (PAPER.md: below ~4K tokens SLP does not help)
     auto_slp_min_tokens: int = 4096
@@ -49,7 +54,8 @@ class SystemSpec:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             want = _TYPES[str(f.type)]
-            v = check_value(f"SystemSpec: key {f.name!r}", want, _RULES[want], getattr(self, f.name))
+            rule = _FIELD_RULES.get(f.name, _RULES[want])
+            v = check_value(f"SystemSpec: key {f.name!r}", want, rule, getattr(self, f.name))
             object.__setattr__(self, f.name, v)
 
     @classmethod
@@ -64,6 +70,7 @@ class SystemSpec:
             acc_fp32_tflops=float(acc["fp32_tflops"]),
             acc_bf16_tflops=float(acc["bf16_tflops"]),
             acc_fp8_tflops=float(acc["fp8_tflops"]),
+            acc_compute_efficiency=float(acc["compute_efficiency"]),
             acc_mem_bytes=int(acc["mem_bytes"]),
             **{k: int(sch[k]) for k in _SCHEDULE_KEYS},
         )

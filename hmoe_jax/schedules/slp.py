@@ -13,14 +13,20 @@ layers, the loader streams layer i+1's experts while layer i computes. Option
 double_buffer=False drops the stage ops: each load then fills, waits and transfers in
 sequence (the loader before the double buffering).
 
-Ring size policy: per MoE layer, copy time = expert bytes / h2d rate, compute time = layer
-FLOPs / the rate of the dtype the accelerator's GEMMs run in (plan.costs.POLICY_GEMM_DTYPE:
-bf16 under the serving policy). Transfer-bound (copy >= compute): R = as many slots as the
-accelerator memory left after resident weights, cache and peak temporaries holds, up to
-one full layer of groups, so the loader waits for the compute worker as little as memory
-allows; compute-bound: R = 2 (ping-pong), which is all the overlap that is needed. Fewer
-than 2 slots left: the plan does not fit and plan() raises ScheduleError naming the
-numbers (plan/memory.py). Option ring_slots overrides the size (it must still fit).
+Ring size policy (plan/memory.slp_budget): from memory alone. The ring gets the memory the
+plan leaves on the accelerator (usable memory minus resident weights, KV cache and the
+largest stage's temporaries) less a stated headroom (memory.RING_HEADROOM_FRACTION of the
+card), as many slots as that holds, at most one layer of groups and at least 2 (the
+ping-pong the pipeline needs). A slot only lets a load start earlier, and layer i+1's copies
+overlap layer i's attention only as far as the ring reaches ahead, so a ring cut to 2 by a
+compute/transfer guess loses that overlap (the policy before 2026-12-06: DeepSeek-V3 on one
+RTX 5090 went from 162 slots at 18K tokens to 2 at 20K, 1,037 -> 767 tok/s simulated). Sized
+from memory, a longer prompt gets at most a slightly smaller ring (its cache and temporaries
+grow) and a faster link the same plan (tests/test_ring_policy.py). Fewer than 2 slots left: the plan does not fit and plan()
+raises ScheduleError naming the numbers. Option ring_slots overrides the size (it must
+still fit). The plan's meta still carries an overlap estimate (bound, est_layer_copy_s,
+est_layer_compute_s: layer_times_s at the profile's effective rates) for `hmoe plan`; it
+sizes nothing.
 """
 
 from __future__ import annotations
@@ -36,9 +42,10 @@ from hmoe_jax.schedules.cpu import add_attention
 def layer_times_s(
     cfg: ModelConfig, system: SystemSpec, num_tokens: int, precision: str = "bf16", start_pos: int = 0
 ) -> tuple[float, float]:
-    """(copy_s, compute_s) of one MoE layer under SLP: the cost estimate of the ring policy.
-    Compute is priced at the rate of the dtype that runs (bf16 GEMMs under the bf16 policy:
-    FP8 weights are dequantised to bf16 inside each piece; no FP8 GEMM runs)."""
+    """(copy_s, compute_s) of one MoE layer under SLP, the plan's overlap estimate, at the
+    effective rates the simulator prices: the link's h2d rate (a measured transfer rate) and
+    the dense peak of the dtype that runs (bf16 GEMMs under the bf16 policy: FP8 weights are
+    dequantised to bf16 inside each piece; no FP8 GEMM runs) x acc_compute_efficiency."""
     copy_s = cfg.n_routed_experts * costs.expert_bytes(cfg) / (system.h2d_gbps * 1e9)
     flops = (
         costs.attn_flops(cfg, num_tokens, start_pos)
@@ -46,17 +53,13 @@ def layer_times_s(
         + costs.shared_flops(cfg, num_tokens)
         + costs.expert_flops(cfg, num_tokens * cfg.num_experts_per_tok)
     )
-    return copy_s, flops / costs.acc_flops_per_s(system, costs.POLICY_GEMM_DTYPE[precision])
+    rate = costs.acc_flops_per_s(system, costs.POLICY_GEMM_DTYPE[precision]) * system.acc_compute_efficiency
+    return copy_s, flops / rate
 
 
-def ring_policy(
-    cfg: ModelConfig, system: SystemSpec, num_tokens: int, groups_per_layer: int, precision: str = "bf16"
-) -> tuple[int, str]:
-    """The ring size compute and copy rates ask for (before memory limits it)."""
-    copy_s, compute_s = layer_times_s(cfg, system, num_tokens, precision)
-    if copy_s >= compute_s:
-        return groups_per_layer, "transfer-bound"
-    return min(2, groups_per_layer), "compute-bound"
+def overlap_bound(copy_s: float, compute_s: float) -> str:
+    """What the overlap estimate says binds a layer (reported, not used to size the ring)."""
+    return "transfer-bound" if copy_s >= compute_s else "compute-bound"
 
 
 class SlpSchedule(Schedule):
@@ -84,7 +87,6 @@ class SlpSchedule(Schedule):
     ) -> memory.MemoryBudget:
         per_slot, groups = self._groups(cfg, system)
         precision = str(self.options.get("precision", "bf16"))
-        _, bound = ring_policy(cfg, system, num_tokens, len(groups), precision)
         ring = self.options.get("ring_slots")
         if ring is not None and int(ring) < 1:
             raise ScheduleError(f"slp: ring_slots={ring} must be >= 1")
@@ -95,7 +97,6 @@ class SlpSchedule(Schedule):
                 num_tokens,
                 groups_per_layer=len(groups),
                 experts_per_slot=per_slot,
-                transfer_bound=bound == "transfer-bound",
                 start_pos=start_pos,
                 kv_rows=self.options.get("kv_rows"),
                 max_len=self.options.get("max_len"),
@@ -116,7 +117,6 @@ class SlpSchedule(Schedule):
         double_buffer = bool(self.options.get("double_buffer", True))
         e_total = cfg.n_routed_experts
         precision = str(self.options.get("precision", "bf16"))
-        _, bound = ring_policy(cfg, system, num_tokens, len(groups), precision)
         budget = self.budget(cfg, system, num_tokens, devices=devices, start_pos=start_pos)
         if not budget.fits:
             raise ScheduleError(f"slp: {budget.message}")
@@ -204,6 +204,7 @@ class SlpSchedule(Schedule):
             rows="all" if all_logits else "last",
         )
         copy_s, compute_s = layer_times_s(cfg, system, num_tokens, precision, start_pos)
+        bound = overlap_bound(copy_s, compute_s)
         return b.build(
             devices=1,
             compute_dtype=costs.POLICY_GEMM_DTYPE[precision],
