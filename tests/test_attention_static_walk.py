@@ -27,7 +27,7 @@ from hmoe_jax.model import attention as A
 from hmoe_jax.model.layers import rms_norm
 from hmoe_jax.model.mla import mla_attend, mla_qkv
 from hmoe_jax.model.precision import F32, policy
-from hmoe_jax.plan import costs
+from hmoe_jax.plan import costs, memory
 from hmoe_jax.runtime.synthetic import random_params
 
 TINY = dataclasses.replace(named_model_config("deepseek_v3_tiny"), quant=None)
@@ -165,3 +165,21 @@ def test_static_walk_flops_match_xla_at_4k():
     model = costs.attn_flops(V3, t, cache_len=t)
     assert 1.0 <= p.flops / model < 1.1, (p.flops, model)
     assert costs.attn_flops(V3, t, cache_len=t, walk="traced") > 1.08 * model
+
+
+@pytest.mark.slow
+def test_static_walk_temporaries_at_32k():
+    """memory_analysis() of one real DeepSeek-V3 layer's prefill attention at 32768 tokens
+    (bf16, row of 33280 slots; ~45 s to compile here). The static walk adds the row's K_nope / V
+    buffers (bf16, 2.03 GiB) to the CPU walk's temporaries; on XLA:CPU, which has no bf16
+    dot and hoists the f32 upcast of those loop-invariant buffers out of the key loops, their
+    f32 copies (4.06 GiB) too (measured 2026-12-06: 8.75 vs 2.16 GiB). So at most 3x the
+    buffer over the CPU walk here; on a GPU (bf16 dots) the buffer itself, as
+    plan.memory.attention_temp(walk="static") budgets it."""
+    t, s_len = 32768, 32768 + 512
+    kv = s_len * V3.num_attention_heads * (V3.qk_nope_head_dim + V3.v_head_dim) * 2
+    static = C.probe_prefill_attention_math(V3, t, max_len=s_len, walk="static").temp_bytes
+    traced = C.probe_prefill_attention_math(V3, t, max_len=s_len, walk="traced").temp_bytes
+    assert kv < static - traced <= 3.3 * kv, (static, traced, kv)
+    est = {w: memory.attention_temp(V3, t, cache_slots=s_len, walk=w) for w in ("static", "traced")}
+    assert est["static"] - est["traced"] >= kv
