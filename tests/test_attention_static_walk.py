@@ -154,17 +154,20 @@ def test_cuda_export_has_no_data_dependent_loop_bound(cfg, t):
     assert not all(_while_bounds(_export_text(cfg, t, t + 512, "traced")))
 
 
-def test_static_walk_flops_match_xla_at_4k():
-    """One real DeepSeek-V3 layer's prefill attention at 4096 tokens (bf16 policy, FP8
-    weights), the static walk compiled with its loops unrolled (XLA's cost analysis counts
-    a loop body once): attn_flops(walk="static") within 10% (XLA also counts elementwise
-    ops: RoPE, exp, masks, FP8 dequantisation; measured 1.007). The CPU walk's price is
-    above it by the kv_b work the static walk no longer repeats."""
-    t = 4096
+@pytest.mark.parametrize(
+    "t,gain", [(4096, 1.08), pytest.param(32768, 1.25, marks=pytest.mark.slow)], ids=["4k", "32k"]
+)
+def test_static_walk_flops_match_xla(t, gain):
+    """One real DeepSeek-V3 layer's prefill attention (bf16 policy, FP8 weights, row = T),
+    the static walk compiled with its loops unrolled (XLA's cost analysis counts a loop body
+    once; 32K: ~155 s to compile here): attn_flops(walk="static") within 10% (XLA also
+    counts elementwise ops: RoPE, exp, masks, FP8 dequantisation; measured 1.007 at 4K,
+    1.015 at 32K). The CPU walk's price is above it by the kv_b work the static walk no
+    longer repeats (model: 1.086x at 4K, 1.296x at 32K)."""
     p = C.probe_prefill_attention_math(V3, t, max_len=t, walk="static", unroll=True)
     model = costs.attn_flops(V3, t, cache_len=t)
     assert 1.0 <= p.flops / model < 1.1, (p.flops, model)
-    assert costs.attn_flops(V3, t, cache_len=t, walk="traced") > 1.08 * model
+    assert costs.attn_flops(V3, t, cache_len=t, walk="traced") > gain * model
 
 
 @pytest.mark.slow
