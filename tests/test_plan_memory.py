@@ -203,6 +203,8 @@ def test_one_layer_prefill_pieces_at_32k_stay_bounded():
     assert probes["attention"].alias_bytes == 33280 * V3.cache_dim * 2  # the pool layer, donated
     # the estimates the plan uses without compiling are within 25% of the compiled pieces
     est = memory.slp_piece_temps(V3, 32768, cache_slots=32768 + 512)
+    # compiled here, pieces.attention lowers the CPU walk (model.attention: platform_dependent)
+    est["attention"] = memory.attention_temp(V3, 32768, cache_slots=32768 + 512, walk="traced")
     for k in ("attention", "dense_ffn", "experts_group", "shared", "route"):
         assert 0.8 < est[k] / temp[k] < 1.25, (k, est[k], temp[k])
 

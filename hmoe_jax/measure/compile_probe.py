@@ -184,14 +184,29 @@ def probe_prefill_attention_math(
     form: str = "auto",
     q_block: int = 1024,
     k_block: int = 512,
+    walk: str = "auto",
+    unroll: bool = False,
 ) -> PieceProbe:
     """model.attention.prefill_attention alone (no norm, no residual): what the cost
-    model's attention FLOPs price."""
+    model's attention FLOPs price. walk="static", unroll=True: the accelerator's walk with
+    its loops unrolled, so cost_analysis() (one count per loop body) sees every block."""
     s = cache_len(max_len)
 
     def f(p, x, lat, rope, row, start):
         return A.prefill_attention(
-            p, cfg, x, lat, rope, row, start, prec=prec, form=form, q_block=q_block, k_block=k_block
+            p,
+            cfg,
+            x,
+            lat,
+            rope,
+            row,
+            start,
+            prec=prec,
+            form=form,
+            q_block=q_block,
+            k_block=k_block,
+            walk=walk,
+            unroll=unroll,
         )
 
     i32 = jnp.int32

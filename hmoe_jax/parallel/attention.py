@@ -95,6 +95,9 @@ def cp_attention_block(
                 form=form,
                 q_block=q_block,
                 k_block=bk,
+                # the CPU walk everywhere: the static walk's bound (a chunk anywhere in the
+                # gathered row) would visit every key block for every chunk
+                walk="traced",
             )
             for half, chunk in ((0, chunk_a), (1, chunk_b))
         ]

@@ -81,6 +81,7 @@ def attn_flops(
     q_block: int = 1024,
     k_block: int = 512,
     cache_len: int | None = None,
+    walk: str = "static",
 ) -> int:
     """FLOPs of model/attention.py exactly as it runs (dots only; a multiply-add = 2).
 
@@ -91,9 +92,13 @@ def attn_flops(
     bq = min(q_block, T) tokens (the last one padded: its projections run on bq rows) each
     walk the causal key blocks: block i visits ceil((start + (i+1) bq) / bk) blocks of
     bk = key_block(k_block, cache_len) keys (clipped to the cache). Expanded form (T >= 256
-    under "auto"): every visited key block goes through kv_b again (bk R H (dn + dv)),
-    scores H (dn + dr) and P.V H dv per query-key pair. Absorbed form: per query W_uk and
-    W_uv (H dn R each), per pair H (R + dr) + H R."""
+    under "auto"): scores H (dn + dr) and P.V H dv per query-key pair, and kv_b
+    (R H (dn + dv) per key) as the walk runs it. walk "static" (the accelerator's, priced by
+    default: plans price the accelerator): kv_b once on each of the row's S keys, query
+    block i visits static_key_blocks(...)[i] key blocks (a bound that holds for any start).
+    walk "traced" (the CPU path): block i visits ceil((start + (i+1) bq) / bk) key blocks
+    and re-expands each one. Absorbed form (either walk): per query W_uk and W_uv
+    (H dn R each), per pair H (R + dr) + H R."""
     h, r, dr = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     dn, dv = cfg.qk_nope_head_dim, cfg.v_head_dim
     if tokens == 1:
@@ -109,14 +114,30 @@ def attn_flops(
     bq = min(q_block, tokens)
     bk = key_block(k_block, s)
     n_qb = -(-tokens // bq)
+    if walk not in ("static", "traced"):
+        raise ValueError(f"attn_flops: walk {walk!r}, expected static or traced")
+    static = form == "expanded" and walk == "static"
     total = attn_proj_flops(cfg, n_qb * bq, tokens)
-    for i in range(n_qb):
-        keys = min(-(-(start_pos + (i + 1) * bq) // bk), s // bk) * bk
+    if static:
+        total += 2 * (s // bk) * bk * r * h * (dn + dv)  # kv_b once per key of the row
+        blocks = static_key_blocks(tokens, s, bq, bk)
+    else:
+        blocks = [min(-(-(start_pos + (i + 1) * bq) // bk), s // bk) for i in range(n_qb)]
+    for n_kb in blocks:
+        keys = n_kb * bk
         if form == "expanded":
-            total += 2 * keys * r * h * (dn + dv) + 2 * bq * keys * h * (dn + dr + dv)
+            total += 0 if static else 2 * keys * r * h * (dn + dv)
+            total += 2 * bq * keys * h * (dn + dr + dv)
         else:
             total += 2 * bq * h * (dn * r + r * dv) + 2 * bq * keys * h * (2 * r + dr)
     return total
+
+
+def static_key_blocks(tokens: int, cache_len: int, bq: int, bk: int) -> list[int]:
+    """Key blocks each query block of the static walk visits: model.attention's
+    static_key_blocks (restated: the plan layer imports no model code; a test pins them)."""
+    n_kb = cache_len // bk
+    return [min(n_kb, -(-(cache_len - tokens + (i + 1) * bq) // bk)) for i in range(-(-tokens // bq))]
 
 
 def cp_attn_flops(cfg: ModelConfig, padded_tokens: int, ranks: int) -> int:

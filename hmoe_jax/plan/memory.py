@@ -184,13 +184,17 @@ def attention_temp(
     form: str = "auto",
     q_block: int = 1024,
     k_block: int = 512,
+    walk: str = "static",
 ) -> int:
     """Estimated temporaries of pieces.attention (model/attention.py). Prefill: the padded
     input and the stacked block outputs [T, D], kv_a's output and the new latents [T, 576]
     in f32, one (query block, key block) pair's working set (two f32 score blocks
     [bq, H, bk], the f32 accumulator carried twice, the block's q, the expanded keys of one
-    key block) and the bf16 dequantised attention weights. Decode: two f32 score rows
-    [B, H, kv] and the gathered cache rows."""
+    key block) and the bf16 dequantised attention weights; the expanded form's static walk
+    (the accelerator's, planned by default) adds the row's K_nope / V buffers [S, H, dn + dv]
+    in the act dtype (2.03 GiB bf16 for a 33280-slot DeepSeek-V3 row) and no per-block
+    expansion; walk="traced" is the CPU walk. Decode: two f32 score rows [B, H, kv] and the
+    gathered cache rows."""
     d, h, r, cd = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.cache_dim
     qk, dn, dv = cfg.qk_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
     wb = 2 if act == 2 else 4
@@ -209,7 +213,12 @@ def attention_temp(
     per_token = 2 * t_pad * d * act + 2 * tokens * cd * 4
     width = dv if form == "expanded" else r
     block = 2 * bq * h * bk * 4 + 2 * bq * h * width * 4 + bq * h * qk * (4 + act) + bq * h * qk * 4
-    block += bk * h * (dn + dv) * (4 + act) if form == "expanded" else bq * h * r * 4
+    if form != "expanded":
+        block += bq * h * r * 4
+    elif walk == "static":
+        block += (cache_slots // bk) * bk * h * (dn + dv) * act
+    else:
+        block += bk * h * (dn + dv) * (4 + act)
     return w + per_token + block
 
 
@@ -440,7 +449,7 @@ def dslp_rank_temps(cfg: ModelConfig, padded_tokens: int, ranks: int) -> dict[st
     bk = min(512, padded_tokens)
     slots = -(-padded_tokens // bk) * bk
     # attention_temp counts one chunk's [C, D] in / out; the rank has two chunks
-    attn = attention_temp(cfg, c, cache_slots=slots, act=4, k_block=bk) + local * (d + cd) * 4
+    attn = attention_temp(cfg, c, cache_slots=slots, act=4, k_block=bk, walk="traced") + local * (d + cd) * 4
     attn += 3 * padded_tokens * cd * 4
     lb = min(1024, local)
     rows = ranks * lb
