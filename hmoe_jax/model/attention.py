@@ -41,6 +41,7 @@ from hmoe_jax.model.mla import LORA_NORM_EPS
 from hmoe_jax.model.params import MLAParams
 from hmoe_jax.model.precision import F32, Precision
 from hmoe_jax.model.rope import apply_rope, rope_cos_sin
+from hmoe_jax.plan.costs import static_key_blocks  # the cost model prices the same bound
 from hmoe_jax.quant.fp8 import Fp8Tensor
 
 FORMS = ("auto", "absorbed", "expanded")
@@ -317,16 +318,6 @@ def _traced(p, cfg, prec, x, cache_lat, cache_rope, row, start, *, form, bq, bk)
 
     out = lax.map(q_block_out, (jnp.arange(n_qb, dtype=jnp.int32), xs)).reshape(n_qb * bq, d)[:t]
     return out.astype(prec.act_dtype)
-
-
-def static_key_blocks(t: int, s_len: int, bq: int, bk: int) -> list[int]:
-    """Key blocks each query block of the static walk visits: query block i (positions
-    start + i bq ..) can see keys up to start + (i + 1) bq - 1 <= S - T + (i + 1) bq - 1,
-    since a chunk of T tokens fits its row (start + T <= S). The bound needs no `start`,
-    so every trip count is a constant; the blocks past a query's real position are masked
-    (S - T slots of slack per query block: the row's room beyond the chunk)."""
-    n_kb = s_len // bk
-    return [min(n_kb, -(-(s_len - t + (i + 1) * bq) // bk)) for i in range(-(-t // bq))]
 
 
 def _expanded_static(p, cfg, prec, x, cache_lat, cache_rope, row, start, *, bq, bk, unroll):

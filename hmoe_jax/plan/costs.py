@@ -134,8 +134,12 @@ def attn_flops(
 
 
 def static_key_blocks(tokens: int, cache_len: int, bq: int, bk: int) -> list[int]:
-    """Key blocks each query block of the static walk visits: model.attention's
-    static_key_blocks (restated: the plan layer imports no model code; a test pins them)."""
+    """Key blocks each query block of model.attention's static walk visits (the walk and
+    this cost model use this one function): query block i (positions start + i bq ..) can
+    see keys up to start + (i + 1) bq - 1 <= S - T + (i + 1) bq - 1, since a chunk of T
+    tokens fits its row (start + T <= S). The bound needs no `start`, so every trip count
+    is a constant; the blocks past a query's real position are masked (S - T slots of slack
+    per query block: the row's room beyond the chunk)."""
     n_kb = cache_len // bk
     return [min(n_kb, -(-(cache_len - tokens + (i + 1) * bq) // bk)) for i in range(-(-tokens // bq))]
 
