@@ -145,10 +145,18 @@ def _aligned_experts(e=6, i=128, d=256, seed=1):
     return ExpertsParams(*[Fp8Tensor(w=aligned(t.w), scale_inv=aligned(t.scale_inv)) for t in q])
 
 
+def _host_copy(a: jax.Array) -> np.ndarray:
+    """The bytes of a device array, read through a copy on another device: np.asarray(a) of a
+    CPU array would cache a zero-copy view on `a` itself (jax >= 0.11), which pins the buffer
+    and makes XLA refuse the ring's next donation of it."""
+    other = next(d for d in jax.devices("cpu") if d not in a.devices())
+    return np.asarray(jax.device_put(a, other))
+
+
 def _same_bytes(dev, experts, lo, hi) -> bool:
     got, want = jax.tree_util.tree_leaves(dev), jax.tree_util.tree_leaves(experts)
     return all(
-        np.array_equal(np.asarray(g).view(np.uint8), w[lo:hi].view(np.uint8)) for g, w in zip(got, want)
+        np.array_equal(_host_copy(g).view(np.uint8), w[lo:hi].view(np.uint8)) for g, w in zip(got, want)
     )
 
 

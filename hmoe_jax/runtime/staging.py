@@ -2,16 +2,20 @@
 cudart is present) host arena of R slots, filled by background C++ copy threads from the
 host weight arena, optionally at a capped rate (link emulation).
 
-Control goes through the extension's C API with ctypes (calls release the GIL, so a
-Python loader thread waiting on a fill does not stall the compute thread); the same wait is
-also an XLA FFI target (`hmoe_staging_wait`) so a computation can block on a slot itself.
-A filled slot is viewed as numpy arrays without a copy and handed to the accelerator by
-`StagingRing.to_device`, whose device side is a fixed ring too (`device_ring` modes):
-"alias" (CPU stand-ins: the device arrays ARE the slot's memory, created once per slot and
-reused, zero-copy), "inplace" (GPUs: per slot preallocated device buffers, overwritten in
-place by the FFI target hmoe_staging_put, donated, one host->device DMA from the page-locked
-slot, nothing allocated per group) and "put" (plain jax.device_put each time: XLA's
-allocator gives a new device buffer per group; the behaviour before the device ring).
+The ring is the extension's class `_hmoe_ffi.StagingRing` (nanobind; its blocking calls
+release the GIL, so a Python loader thread waiting on a fill does not stall the compute
+thread); the same wait is also an XLA FFI target (`hmoe_staging_wait`) so a computation can
+block on a slot itself. A filled slot is viewed as numpy arrays without a copy and handed to
+the accelerator by `StagingRing.to_device`, whose device side is a fixed ring too
+(`device_ring` modes): "alias" (CPU stand-ins: the device arrays ARE the slot's memory,
+created once per slot and reused, zero-copy), "inplace" (GPUs: per slot preallocated device
+buffers, overwritten in place by the FFI target hmoe_staging_put, donated; on a GPU one
+host->device DMA from the page-locked slot on the ring's own copy stream, ordered by CUDA
+events: staging_cuda.h) and "put" (plain jax.device_put each time: XLA's allocator gives a
+new device buffer per group; the behaviour before the device ring).
+
+Copy threads: `copy_threads=None` sizes them from a measurement, ceil(link rate / one
+thread's memcpy rate) within [1, min(cores, MAX_COPY_THREADS)] (copy_threads_for).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import math
 import os
 from typing import Any
 
@@ -32,48 +37,73 @@ from hmoe_jax.plan.costs import SLOT_ALIGN_BYTES
 from hmoe_jax.quant.fp8 import Fp8Tensor
 
 _ALIGN = SLOT_ALIGN_BYTES  # sub-array alignment inside a slot (>= 64 for zero-copy device_put)
-u64 = ctypes.c_uint64
+MAX_COPY_THREADS = 8  # past this a host's memcpy is memory-bandwidth bound, not thread bound
+DEFAULT_COPY_THREADS = 2  # without a link rate to size against (the count before sizing)
+_PROBE_BYTES = 64 << 20  # well over L2, so the probe times DRAM -> DRAM like a real fill
 
 
 class StagingError(RuntimeError):
     pass
 
 
+def _ext() -> Any:
+    return hffi.extension()
+
+
+def _call(what: str, fn, *args) -> Any:
+    """A call into the C++ ring with its error as a StagingError naming `what`."""
+    try:
+        return fn(*args)
+    except _ext().StagingRingError as e:
+        raise StagingError(f"staging ring {what}: {e}") from None
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 @functools.cache
-def _lib() -> ctypes.CDLL:
-    lib = ctypes.CDLL(hffi.extension().__file__)
-    vp = ctypes.c_void_p
-    sig = {
-        "hmoe_ring_create": (vp, [ctypes.c_int, u64, ctypes.c_int, ctypes.c_double]),
-        "hmoe_ring_destroy": (None, [vp]),
-        "hmoe_ring_slot_ptr": (u64, [vp, ctypes.c_int]),
-        "hmoe_ring_slot_bytes": (u64, [vp]),
-        "hmoe_ring_pinned": (ctypes.c_int, [vp]),
-        "hmoe_ring_fill": (
-            ctypes.c_int,
-            [vp, ctypes.c_int, ctypes.c_int, ctypes.POINTER(u64), ctypes.POINTER(u64), ctypes.POINTER(u64)],
-        ),
-        "hmoe_ring_wait": (
-            ctypes.c_int,
-            [vp, ctypes.c_int, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64)],
-        ),
-        "hmoe_ring_release": (ctypes.c_int, [vp, ctypes.c_int]),
-        "hmoe_ring_state": (ctypes.c_int, [vp, ctypes.c_int]),
-        "hmoe_ring_bytes_copied": (u64, [vp]),
-        "hmoe_ring_fills_done": (u64, [vp]),
-        "hmoe_ring_last_error": (ctypes.c_char_p, []),
-        "hmoe_ring_bind_device": (ctypes.c_int, [vp, u64, ctypes.c_int]),
-        "hmoe_ring_set_pinned": (ctypes.c_int, [vp, ctypes.c_int]),
-    }
-    for name, (res, args) in sig.items():
-        f = getattr(lib, name)
-        f.restype, f.argtypes = res, args
-    return lib
+def memcpy_gbps_one_thread() -> float:
+    """One thread's memcpy rate on this host (GB/s): best of 3 copies of 64 MiB (~30 ms),
+    measured once per process by the extension (the copy threads' own memcpy)."""
+    return float(_ext().memcpy_gbps(_PROBE_BYTES, 3))
 
 
-def _check(rc: int, what: str) -> None:
-    if rc != 0:
-        raise StagingError(f"staging ring {what}: {_lib().hmoe_ring_last_error().decode()}")
+def copy_threads_for(
+    link_gbps: float, one_thread_gbps: float, cores: int, max_threads: int = MAX_COPY_THREADS
+) -> int:
+    """Host memcpy threads that keep a `link_gbps` link busy: ceil(link / one thread's rate),
+    at least 1, at most min(cores, max_threads)."""
+    if not link_gbps > 0 or not one_thread_gbps > 0:
+        raise StagingError(
+            f"copy_threads_for: link_gbps ({link_gbps}) and one_thread_gbps ({one_thread_gbps}) must be > 0"
+        )
+    if cores < 1 or max_threads < 1:
+        raise StagingError(f"copy_threads_for: cores ({cores}) and max_threads ({max_threads}) must be >= 1")
+    return max(1, min(math.ceil(link_gbps / one_thread_gbps), cores, max_threads))
+
+
+def size_copy_threads(copy_threads: int | None, link_gbps: float | None) -> tuple[int, str]:
+    """(copy threads, why): `copy_threads` as given, else sized against `link_gbps` (the
+    emulated cap or the accelerator's host link) from this host's measured memcpy rate."""
+    if copy_threads is not None:
+        if int(copy_threads) < 1:
+            raise StagingError(
+                f"copy_threads must be >= 1 (or None: sized automatically), got {copy_threads}"
+            )
+        return int(copy_threads), "given"
+    if not link_gbps:
+        return DEFAULT_COPY_THREADS, "default: no link rate to size against"
+    one, cores = memcpy_gbps_one_thread(), available_cores()
+    n = copy_threads_for(float(link_gbps), one, cores)
+    return n, (
+        f"ceil({float(link_gbps):.3g} GB/s link / {one:.3g} GB/s one-thread memcpy), "
+        f"within [1, min({cores} cores, {MAX_COPY_THREADS})]"
+    )
 
 
 DEVICE_RING_MODES = ("alias", "inplace", "put")
@@ -165,23 +195,32 @@ def host_array(x: Any) -> np.ndarray:
 class StagingRing:
     """R slots of slot_bytes each. fill() queues a copy of experts [lo, hi) of one layer into a
     slot; wait() blocks until it is there; views() gives the slot's ExpertsParams (numpy);
-    release() frees the slot for the next fill."""
+    to_device() hands it to an accelerator; release() frees the slot for the next fill.
+
+    copy_threads: host memcpy threads (None: sized by size_copy_threads against link_gbps,
+    else h2d_gbps); link_gbps: cap the copies at this rate (link emulation); h2d_gbps: the
+    accelerator's host link, only to size the threads. In "inplace" mode the arrays that
+    to_device returns for a slot are donated (deleted) by that slot's next to_device."""
 
     def __init__(
         self,
         n_slots: int,
         slot_bytes: int,
         *,
-        copy_threads: int = 2,
+        copy_threads: int | None = None,
         link_gbps: float | None = None,
         device_ring: str = "auto",
+        h2d_gbps: float | None = None,
     ):
+        if link_gbps is not None and not link_gbps > 0:
+            raise StagingError(f"staging ring: link_gbps must be > 0 (or None: no cap), got {link_gbps}")
+        self.copy_threads, self.copy_threads_why = size_copy_threads(copy_threads, link_gbps or h2d_gbps)
         rate = 0.0 if not link_gbps else float(link_gbps) * 1e9
-        self._h = _lib().hmoe_ring_create(int(n_slots), int(slot_bytes), int(copy_threads), rate)
-        if not self._h:
-            raise StagingError(f"staging ring create: {_lib().hmoe_ring_last_error().decode()}")
+        self._ring = _call(
+            "create", _ext().StagingRing, int(n_slots), int(slot_bytes), self.copy_threads, rate
+        )
         self.n_slots = int(n_slots)
-        self.slot_bytes = int(_lib().hmoe_ring_slot_bytes(self._h))
+        self.slot_bytes = int(self._ring.slot_bytes)
         self.link_gbps = link_gbps
         self._keep: dict[int, list[np.ndarray]] = {}  # sources stay alive until the copy is done
         self._views: dict[tuple[int, int], ExpertsParams] = {}
@@ -191,11 +230,11 @@ class StagingRing:
 
     @property
     def handle(self) -> int:
-        return int(self._h)
+        return int(_call("handle", lambda: self._ring.handle))
 
     @property
     def pinned(self) -> bool:
-        return bool(_lib().hmoe_ring_pinned(self._h)) or bool(self._dma_client)
+        return bool(self._ring.pinned) or bool(self._dma_client)
 
     def _register_with_xla(self, device: jax.Device) -> None:
         """On a GPU, page-lock the arena through XLA (Client.dma_map) instead of our own
@@ -208,25 +247,22 @@ class StagingRing:
         if os.environ.get("HMOE_STAGING_PIN") == "0":
             self._dma_client = False
             return
-        was_pinned = bool(_lib().hmoe_ring_set_pinned(self._h, 0))
+        was_pinned = bool(self._ring.set_pinned(False))
         try:
             device.client.dma_map(self.slot_ptr(0), self.n_slots * self.slot_bytes)
             self._dma_client = device.client
         except Exception:
             self._dma_client = False
             if was_pinned:
-                _lib().hmoe_ring_set_pinned(self._h, 1)
+                self._ring.set_pinned(True)
 
     def slot_ptr(self, slot: int) -> int:
-        return int(_lib().hmoe_ring_slot_ptr(self._h, slot))
+        return int(_call(f"slot_ptr {slot}", self._ring.slot_ptr, int(slot)))
 
     def fill(self, slot: int, segments: list[tuple[np.ndarray, int]]) -> None:
         """segments: (contiguous source array, destination offset in the slot)."""
-        n = len(segments)
-        src, dst, nb = (u64 * n)(), (u64 * n)(), (u64 * n)()
-        for i, (a, off) in enumerate(segments):
-            src[i], dst[i], nb[i] = a.ctypes.data, off, a.nbytes
-        _check(_lib().hmoe_ring_fill(self._h, slot, n, src, dst, nb), f"fill slot {slot}")
+        segs = [(a.ctypes.data, int(off), a.nbytes) for a, off in segments]
+        _call(f"fill slot {slot}", self._ring.fill, int(slot), segs)
         self._keep[slot] = [a for a, _ in segments]
 
     def fill_experts(self, slot: int, experts: ExpertsParams, lo: int, hi: int, fields: list[Field]) -> int:
@@ -240,16 +276,19 @@ class StagingRing:
 
     def wait(self, slot: int) -> tuple[int, int]:
         """Block (GIL released) until the slot is filled; returns the copy's (start_ns, end_ns)."""
-        t0, t1 = ctypes.c_int64(), ctypes.c_int64()
-        _check(_lib().hmoe_ring_wait(self._h, slot, ctypes.byref(t0), ctypes.byref(t1)), f"wait slot {slot}")
+        t0, t1 = _call(f"wait slot {slot}", self._ring.wait, int(slot))
         self._keep.pop(slot, None)
-        return int(t0.value), int(t1.value)
+        return int(t0), int(t1)
 
     def release(self, slot: int) -> None:
-        _check(_lib().hmoe_ring_release(self._h, slot), f"release slot {slot}")
+        """Free the slot for its next fill (on a GPU also the point, in XLA's stream order,
+        after which the next DMA may overwrite the slot's device buffers)."""
+        _call(f"release slot {slot}", self._ring.release, int(slot))
 
     def state(self, slot: int) -> str:
-        return {0: "free", 1: "filling", 2: "ready"}.get(_lib().hmoe_ring_state(self._h, slot), "invalid")
+        return {0: "free", 1: "filling", 2: "ready"}.get(
+            _call("state", self._ring.state, int(slot)), "invalid"
+        )
 
     def views(self, slot: int, fields: list[Field], count: int, like: ExpertsParams) -> ExpertsParams:
         """The slot's first `count` experts as numpy views (no copy), shaped like `like`.
@@ -312,11 +351,22 @@ class StagingRing:
         if dev is None:  # allocate this slot's device buffers once
             dev = jax.tree_util.tree_map(lambda v: jax.numpy.zeros(v.shape, v.dtype, device=device), views)
             first = jax.block_until_ready(jax.tree_util.tree_leaves(dev))[0]
-            _check(_lib().hmoe_ring_bind_device(self._h, first.unsafe_buffer_pointer(), slot), "bind_device")
+            _call("bind_device", self._ring.bind_device, first.unsafe_buffer_pointer(), int(slot))
         leaves, treedef = jax.tree_util.tree_flatten(dev)
         base = self.slot_ptr(slot)
         offsets = tuple(v.ctypes.data - base for v in jax.tree_util.tree_leaves(views))
-        dev = jax.tree_util.tree_unflatten(treedef, _inplace_put(self.handle, offsets)(leaves))
+        try:
+            out = _inplace_put(self.handle, offsets)(leaves)
+        except Exception as e:
+            if not all(a.is_deleted() for a in leaves):
+                raise _refused_donation(slot) from e
+            raise
+        if not all(a.is_deleted() for a in leaves):
+            raise _refused_donation(slot)
+        # GPU: the DMA went to the ring's copy stream; block (GIL released) until it landed, so
+        # the load op completes, and its consumers launch, only after it (staging_cuda.h).
+        _call(f"wait_device slot {slot}", self._ring.wait_device, int(slot))
+        dev = jax.tree_util.tree_unflatten(treedef, out)
         self._dev[key] = dev
         return dev
 
@@ -328,27 +378,36 @@ class StagingRing:
 
     @property
     def bytes_copied(self) -> int:
-        return int(_lib().hmoe_ring_bytes_copied(self._h))
+        return int(self._ring.bytes_copied)
 
     @property
     def fills_done(self) -> int:
-        return int(_lib().hmoe_ring_fills_done(self._h))
+        return int(self._ring.fills_done)
 
     def close(self) -> None:
-        if self._h:
+        if not self._ring.closed:
             self._dev.clear()  # alias-mode arrays point into the arena
             if self._dma_client:
                 self._dma_client.dma_unmap(self.slot_ptr(0))
                 self._dma_client = None
             self._views.clear()
-            _lib().hmoe_ring_destroy(self._h)
-            self._h = None
+            self._ring.close()
 
     def __del__(self) -> None:
         try:
             self.close()
         except Exception:
             pass
+
+
+def _refused_donation(slot: int) -> StagingError:
+    return StagingError(
+        f"device_ring='inplace': XLA refused to donate slot {slot}'s device buffers, so it could not "
+        "overwrite them in place. Something still holds them: a host view of a previous to_device "
+        "result (on a CPU device, np.asarray(array) of jax >= 0.11 caches a zero-copy view on the "
+        "array, which pins its buffer for the array's lifetime); read such arrays through a copy "
+        "(np.asarray(jax.device_put(a, other_device))), or use device_ring='put'"
+    )
 
 
 def ffi_wait(ring: StagingRing, slot: int) -> jax.Array:

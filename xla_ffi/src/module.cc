@@ -1,5 +1,6 @@
 // The nanobind extension `_hmoe_ffi`: exposes every registered FFI handler as a
-// PyCapsule for jax.ffi.register_ffi_target, plus CPU feature detection.
+// PyCapsule for jax.ffi.register_ffi_target, CPU feature detection, and the staging ring
+// class (staging_bind.cc).
 #include <nanobind/nanobind.h>
 
 #include "cpu_features.h"
@@ -8,6 +9,8 @@
 namespace nb = nanobind;
 
 namespace hmoe {
+void bind_staging(nb::module_& m);  // staging_bind.cc
+
 std::vector<FfiTarget>& ffi_targets() {
   static std::vector<FfiTarget> targets;
   return targets;
@@ -38,4 +41,5 @@ NB_MODULE(_hmoe_ffi, m) {
     d["best_isa"] = hmoe::isa_name(hmoe::select_isa());
     return d;
   });
+  hmoe::bind_staging(m);
 }

@@ -1,11 +1,14 @@
-// StagingRing implementation, its C API (ctypes: hmoe_ring_*) and the XLA FFI target
-// hmoe_staging_wait (block inside a computation until a slot is filled).
+// StagingRing implementation (bound to Python as _hmoe_ffi.StagingRing in staging_bind.cc)
+// and the XLA FFI targets hmoe_staging_wait (block inside a computation until a slot is
+// filled) and hmoe_staging_put (the in-place device side; its CUDA half is staging_cuda.cc).
 #include "staging.h"
 
 #include <dlfcn.h>
 #include <time.h>
 
 #include <algorithm>
+#include <climits>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 
@@ -121,10 +124,70 @@ std::string StagingRing::wait(int slot, int64_t* start_ns, int64_t* end_ns) {
 
 std::string StagingRing::release(int slot) {
   if (slot < 0 || slot >= n_slots()) return "release: slot " + std::to_string(slot) + " out of range";
-  std::lock_guard<std::mutex> lk(mu_);
-  if (slots_[slot] != SlotState::kReady) return "release: slot " + std::to_string(slot) + " is not ready";
-  slots_[slot] = SlotState::kFree;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (slots_[slot] != SlotState::kReady) return "release: slot " + std::to_string(slot) + " is not ready";
+    slots_[slot] = SlotState::kFree;
+  }
+  std::lock_guard<std::mutex> lk(copier_mu_);
+  if (copier_) {
+    if (auto err = copier_->released(slot); !err.empty()) return "release: " + err;
+  }
   return "";
+}
+
+DeviceCopier* StagingRing::copier(const CuDriver* cu) {
+  std::lock_guard<std::mutex> lk(copier_mu_);
+  if (!copier_) copier_ = std::make_unique<DeviceCopier>(cu, n_slots());
+  return copier_.get();
+}
+
+std::string StagingRing::wait_device(int slot) {
+  DeviceCopier* c = nullptr;
+  {
+    std::lock_guard<std::mutex> lk(copier_mu_);
+    c = copier_.get();
+  }
+  if (!c) return "";
+  auto err = c->wait_copied(slot);
+  return err.empty() ? "" : "wait_device: " + err;
+}
+
+std::string StagingRing::create(int n_slots, size_t slot_bytes, int n_threads, double rate_bytes_per_s,
+                                std::unique_ptr<StagingRing>* out) {
+  if (n_slots < 1 || slot_bytes == 0 || n_threads < 1)
+    return "create: need n_slots >= 1, slot_bytes > 0, copy_threads >= 1; got n_slots=" + std::to_string(n_slots) +
+           ", slot_bytes=" + std::to_string(slot_bytes) + ", copy_threads=" + std::to_string(n_threads);
+  if (rate_bytes_per_s < 0) return "create: rate must be >= 0 (0: no cap), got " + std::to_string(rate_bytes_per_s);
+  auto r = std::make_unique<StagingRing>(n_slots, slot_bytes, n_threads, rate_bytes_per_s);
+  if (!r->slot_ptr(0))
+    return "create: could not allocate " + std::to_string(size_t(n_slots) * slot_bytes) + " bytes";
+  *out = std::move(r);
+  return "";
+}
+
+double memcpy_gbps(size_t bytes, int reps) {
+  bytes = std::max<size_t>(bytes, kAlign);
+  auto* src = static_cast<uint8_t*>(std::aligned_alloc(kAlign, (bytes + kAlign - 1) / kAlign * kAlign));
+  auto* dst = static_cast<uint8_t*>(std::aligned_alloc(kAlign, (bytes + kAlign - 1) / kAlign * kAlign));
+  if (!src || !dst) {
+    std::free(src);
+    std::free(dst);
+    return 0.0;
+  }
+  std::memset(src, 1, bytes);  // touch every page of both, outside the timed copies
+  std::memset(dst, 0, bytes);
+  int64_t best = INT64_MAX;
+  for (int i = 0; i < std::max(reps, 1); ++i) {
+    int64_t t0 = monotonic_ns();
+    std::memcpy(dst, src, bytes);
+    best = std::min(best, monotonic_ns() - t0);
+  }
+  volatile uint8_t sink = dst[bytes - 1];  // the copies are observable
+  (void)sink;
+  std::free(src);
+  std::free(dst);
+  return double(bytes) / double(std::max<int64_t>(best, 1));  // bytes per ns = GB/s
 }
 
 int StagingRing::state(int slot) {
@@ -249,85 +312,6 @@ void StagingRing::helper_loop() {
 
 }  // namespace hmoe
 
-// ---- C API for ctypes (hmoe_jax/runtime/staging.py). Errors: return != 0 and the message
-// in hmoe_ring_last_error() (thread-local).
-namespace {
-thread_local std::string g_last_error;
-int fail(const std::string& msg) {
-  g_last_error = msg;
-  return msg.empty() ? 0 : -1;
-}
-}  // namespace
-
-extern "C" {
-__attribute__((visibility("default"))) const char* hmoe_ring_last_error() { return g_last_error.c_str(); }
-
-__attribute__((visibility("default"))) void* hmoe_ring_create(int n_slots, uint64_t slot_bytes, int n_threads,
-                                                              double rate_bytes_per_s) {
-  if (n_slots < 1 || slot_bytes == 0 || n_threads < 1) {
-    g_last_error = "create: need n_slots >= 1, slot_bytes > 0, n_threads >= 1";
-    return nullptr;
-  }
-  auto* r = new hmoe::StagingRing(n_slots, slot_bytes, n_threads, rate_bytes_per_s);
-  if (!r->slot_ptr(0)) {
-    g_last_error = "create: could not allocate " + std::to_string(n_slots * slot_bytes) + " bytes";
-    delete r;
-    return nullptr;
-  }
-  return r;
-}
-
-__attribute__((visibility("default"))) void hmoe_ring_destroy(void* ring) { delete static_cast<hmoe::StagingRing*>(ring); }
-
-__attribute__((visibility("default"))) uint64_t hmoe_ring_slot_ptr(void* ring, int slot) {
-  return reinterpret_cast<uint64_t>(static_cast<hmoe::StagingRing*>(ring)->slot_ptr(slot));
-}
-
-__attribute__((visibility("default"))) uint64_t hmoe_ring_slot_bytes(void* ring) {
-  return static_cast<hmoe::StagingRing*>(ring)->slot_bytes();
-}
-
-__attribute__((visibility("default"))) int hmoe_ring_pinned(void* ring) { return static_cast<hmoe::StagingRing*>(ring)->pinned(); }
-
-__attribute__((visibility("default"))) int hmoe_ring_fill(void* ring, int slot, int n, const uint64_t* src,
-                                                          const uint64_t* dst_offset, const uint64_t* bytes) {
-  std::vector<hmoe::CopySegment> segs(n);
-  for (int i = 0; i < n; ++i) segs[i] = {reinterpret_cast<const uint8_t*>(src[i]), dst_offset[i], bytes[i]};
-  return fail(static_cast<hmoe::StagingRing*>(ring)->fill(slot, std::move(segs)));
-}
-
-__attribute__((visibility("default"))) int hmoe_ring_wait(void* ring, int slot, int64_t* start_ns, int64_t* end_ns) {
-  return fail(static_cast<hmoe::StagingRing*>(ring)->wait(slot, start_ns, end_ns));
-}
-
-__attribute__((visibility("default"))) int hmoe_ring_release(void* ring, int slot) {
-  return fail(static_cast<hmoe::StagingRing*>(ring)->release(slot));
-}
-
-__attribute__((visibility("default"))) int hmoe_ring_state(void* ring, int slot) {
-  return static_cast<hmoe::StagingRing*>(ring)->state(slot);
-}
-
-__attribute__((visibility("default"))) uint64_t hmoe_ring_bytes_copied(void* ring) {
-  return static_cast<hmoe::StagingRing*>(ring)->bytes_copied();
-}
-
-__attribute__((visibility("default"))) uint64_t hmoe_ring_fills_done(void* ring) {
-  return static_cast<hmoe::StagingRing*>(ring)->fills_done();
-}
-
-__attribute__((visibility("default"))) int hmoe_ring_set_pinned(void* ring, int on) {
-  return static_cast<hmoe::StagingRing*>(ring)->set_pinned(on != 0);
-}
-
-__attribute__((visibility("default"))) int hmoe_ring_bind_device(void* ring, uint64_t device_ptr, int slot) {
-  auto* r = static_cast<hmoe::StagingRing*>(ring);
-  if (slot < 0 || slot >= r->n_slots()) return fail("bind_device: slot " + std::to_string(slot) + " out of range");
-  r->bind_device(static_cast<uintptr_t>(device_ptr), slot);
-  return 0;
-}
-}
-
 // ---- XLA FFI: hmoe_staging_wait(ring: i64 attr, slot: i32 attr) -> s64[2] (copy start, end ns).
 // Lets a computation itself wait for its weights (the CUDA-event hand-off of the paper's
 // loader -> compute workers); has_side_effect keeps XLA from dropping or hoisting it.
@@ -358,13 +342,10 @@ HMOE_FFI_TARGET("hmoe_staging_wait", HmoeStagingWait);
 // fresh allocation per group. The host slot is the one bound (hmoe_ring_bind_device) to the
 // address of buffer 0, and it must be filled (ready). Two handlers: CPU (memcpy; on a CPU
 // stand-in the engine aliases the slot instead, so this runs only when asked for) and CUDA
-// (cuMemcpyHtoDAsync from the page-locked slot on XLA's stream: one DMA, no staging copy).
+// (cuMemcpyHtoDAsync from the page-locked slot on the ring's own copy stream, ordered by
+// events, never on XLA's compute stream: staging_cuda.h).
 namespace {
-struct PutCopy {
-  void* dst;
-  const uint8_t* src;
-  size_t bytes;
-};
+using hmoe::PutCopy;
 
 // Validates the call and lists its copies (no XLA types below this function).
 ffi::Error PlanPut(int64_t ring, ffi::Span<const int64_t> offsets, ffi::RemainingArgs args,
@@ -389,7 +370,8 @@ ffi::Error PlanPut(int64_t ring, ffi::Span<const int64_t> offsets, ffi::Remainin
   int slot = r->bound_slot(reinterpret_cast<uintptr_t>(copies->front().dst));
   if (slot < 0)
     return ffi::Error::InvalidArgument(
-        "hmoe_staging_put: device buffer 0 is not bound to a ring slot (it was reallocated: not in place)");
+        "hmoe_staging_put: device buffer 0 is not bound to a ring slot (it was reallocated: not in place; "
+        "a donation XLA refused, e.g. a host view of the buffer is alive, gives a fresh copy)");
   if (r->state(slot) != int(hmoe::SlotState::kReady))
     return ffi::Error::InvalidArgument("hmoe_staging_put: host slot " + std::to_string(slot) + " is not filled");
   for (size_t i = 0; i < copies->size(); ++i) {
@@ -411,57 +393,20 @@ ffi::Error StagingPutCpuImpl(int64_t ring, ffi::Span<const int64_t> offsets, ffi
   return ffi::Error::Success();
 }
 
-// CUDA driver API, resolved at run time (this extension links no CUDA library): libcuda is
-// the one driver instance every CUDA user in the process shares, so XLA's stream and context
-// are valid here. Untested on this project's machines (no GPU).
-struct CudaDriver {
-  using Fn_GetCtx = int (*)(void*, void**);
-  using Fn_Push = int (*)(void*);
-  using Fn_Pop = int (*)(void**);
-  using Fn_Copy = int (*)(unsigned long long, const void*, size_t, void*);
-  Fn_GetCtx stream_get_ctx = nullptr;
-  Fn_Push ctx_push = nullptr;
-  Fn_Pop ctx_pop = nullptr;
-  Fn_Copy memcpy_htod_async = nullptr;
-  bool ok() const { return stream_get_ctx && ctx_push && ctx_pop && memcpy_htod_async; }
-};
-
-const CudaDriver& cuda_driver() {
-  static const CudaDriver d = [] {
-    CudaDriver d;
-    void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
-    if (!h) h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (!h) return d;
-    d.stream_get_ctx = reinterpret_cast<CudaDriver::Fn_GetCtx>(dlsym(h, "cuStreamGetCtx"));
-    d.ctx_push = reinterpret_cast<CudaDriver::Fn_Push>(dlsym(h, "cuCtxPushCurrent_v2"));
-    d.ctx_pop = reinterpret_cast<CudaDriver::Fn_Pop>(dlsym(h, "cuCtxPopCurrent_v2"));
-    d.memcpy_htod_async = reinterpret_cast<CudaDriver::Fn_Copy>(dlsym(h, "cuMemcpyHtoDAsync_v2"));
-    return d;
-  }();
-  return d;
-}
-
+// The GPU half: the DMAs go on the ring's copy stream, ordered by events (staging_cuda.h has
+// the ordering argument); the loader then waits for them (StagingRing.wait_device) before its
+// load op completes. Untested on a GPU here (none was lent); the choreography is unit-tested
+// with a fake driver table (tests/test_runtime_staging.py).
 ffi::Error StagingPutCudaImpl(void* stream, int64_t ring, ffi::Span<const int64_t> offsets,
                               ffi::RemainingArgs args, ffi::RemainingRets rets) {
   std::vector<PutCopy> copies;
   if (auto err = PlanPut(ring, offsets, args, rets, &copies); err.failure()) return err;
-  const CudaDriver& cu = cuda_driver();
-  if (!cu.ok()) return ffi::Error::Internal("hmoe_staging_put (CUDA): libcuda.so.1 or its symbols not found");
-  void* ctx = nullptr;
-  if (int rc = cu.stream_get_ctx(stream, &ctx); rc != 0)
-    return ffi::Error::Internal("hmoe_staging_put (CUDA): cuStreamGetCtx failed: " + std::to_string(rc));
-  cu.ctx_push(ctx);
-  int rc = 0;
-  for (const auto& c : copies) {
-    // Enqueued on XLA's stream: ordered after earlier work on these buffers and before any
-    // reader of the results; the source slot stays untouched until the executor has seen
-    // this op's results ready (the loader blocks), so the DMA never reads a refilled slot.
-    rc = cu.memcpy_htod_async(reinterpret_cast<unsigned long long>(c.dst), c.src, c.bytes, stream);
-    if (rc != 0) break;
-  }
-  void* popped = nullptr;
-  cu.ctx_pop(&popped);
-  if (rc != 0) return ffi::Error::Internal("hmoe_staging_put (CUDA): cuMemcpyHtoDAsync failed: " + std::to_string(rc));
+  const hmoe::CuDriver& cu = hmoe::real_cuda_driver();
+  if (!cu.ok()) return ffi::Error::Internal("hmoe_staging_put (CUDA): driver API not found: " + cu.missing);
+  auto* r = reinterpret_cast<hmoe::StagingRing*>(ring);
+  int slot = r->bound_slot(reinterpret_cast<uintptr_t>(copies.front().dst));
+  if (auto err = r->copier(&cu)->put(stream, slot, copies); !err.empty())
+    return ffi::Error::Internal("hmoe_staging_put (CUDA): " + err);
   return ffi::Error::Success();
 }
 }  // namespace

@@ -13,11 +13,14 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
 #include <unordered_map>
 #include <vector>
+
+#include "staging_cuda.h"
 
 namespace hmoe {
 
@@ -33,12 +36,16 @@ class StagingRing {
  public:
   // rate_bytes_per_s <= 0: no cap. n_threads >= 1 copy threads share each fill.
   StagingRing(int n_slots, size_t slot_bytes, int n_threads, double rate_bytes_per_s);
+  // Validates the arguments and the allocation; returns "" or an error naming the problem.
+  static std::string create(int n_slots, size_t slot_bytes, int n_threads, double rate_bytes_per_s,
+                            std::unique_ptr<StagingRing>* out);
   ~StagingRing();
   StagingRing(const StagingRing&) = delete;
   StagingRing& operator=(const StagingRing&) = delete;
 
   int n_slots() const { return static_cast<int>(slots_.size()); }
   size_t slot_bytes() const { return slot_bytes_; }
+  int copy_threads() const { return static_cast<int>(helpers_.size()) + 1; }
   uint8_t* slot_ptr(int slot) const { return arena_ + static_cast<size_t>(slot) * slot_bytes_; }
   bool pinned() const { return pinned_; }
   // Page-lock (cudaHostRegister) or unlock the arena; returns the resulting state. A GPU
@@ -49,6 +56,8 @@ class StagingRing {
   std::string fill(int slot, std::vector<CopySegment> segments);
   // Block until `slot` is ready; returns its copy start/end (CLOCK_MONOTONIC ns).
   std::string wait(int slot, int64_t* start_ns, int64_t* end_ns);
+  // Frees the slot for the next fill; with a GPU copier, also records the slot's freed event on
+  // XLA's stream (staging_cuda.h: the next DMA into the slot's device buffers waits for it).
   std::string release(int slot);
   int state(int slot);
 
@@ -57,6 +66,11 @@ class StagingRing {
   // an address that is not bound means the buffer was reallocated, i.e. not updated in place).
   void bind_device(uintptr_t device_ptr, int slot);
   int bound_slot(uintptr_t device_ptr);  // -1 if not bound
+
+  // The GPU side (created on the first CUDA put with `cu`'s driver table; null before).
+  DeviceCopier* copier(const CuDriver* cu);
+  // Block until the slot's last device copy landed (no-op without a GPU side).
+  std::string wait_device(int slot);
 
   uint64_t bytes_copied() const { return bytes_copied_.load(); }
   uint64_t fills_done() const { return fills_done_.load(); }
@@ -104,8 +118,14 @@ class StagingRing {
 
   std::atomic<uint64_t> bytes_copied_{0};
   std::atomic<uint64_t> fills_done_{0};
+  std::mutex copier_mu_;
+  std::unique_ptr<DeviceCopier> copier_;
 };
 
 int64_t monotonic_ns();
+
+// One thread's memcpy rate in GB/s: the best of `reps` copies of `bytes` (buffers touched
+// first). What StagingRing's copy threads are sized from (runtime/staging.py).
+double memcpy_gbps(size_t bytes, int reps);
 
 }  // namespace hmoe
