@@ -4,6 +4,8 @@ life cycle is enforced, the rate cap holds as a lower bound, and the FFI wait ag
 from __future__ import annotations
 
 import ctypes
+import threading
+import time
 
 import jax
 import numpy as np
@@ -214,3 +216,179 @@ def test_device_ring_inplace_overwrites_fixed_buffers():
             ring.release(slot)
     assert sorted(k[0] for k in ring.device_buffers()) == [0, 1]
     ring.close()
+
+
+def test_device_ring_inplace_names_a_refused_donation():
+    """A host view of an inplace result keeps its buffer alive, so XLA refuses the next
+    donation (it would copy into a fresh buffer): the ring says so instead of writing
+    anywhere else."""
+    experts = _aligned_experts()
+    fields, nbytes = slot_layout(experts, 2)
+    ring = StagingRing(1, nbytes, device_ring="inplace")
+    acc = jax.devices("cpu")[1]
+    ring.fill_experts(0, experts, 0, 2, fields)
+    ring.wait(0)
+    dev = jax.block_until_ready(ring.to_device(0, fields, 2, experts, acc))
+    held = np.asarray(dev.gate.w)  # a zero-copy view of the device buffer, kept alive
+    ring.release(0)
+    ring.fill_experts(0, experts, 2, 4, fields)
+    ring.wait(0)
+    with pytest.raises(StagingError, match="refused to donate slot 0"):
+        ring.to_device(0, fields, 2, experts, acc)
+    assert np.array_equal(held.view(np.uint8), experts.gate.w[0:2].view(np.uint8)), (
+        "the held view kept its bytes"
+    )
+
+
+# ---------------------------------------------------------------- the extension's ring class
+
+
+def test_ring_class_errors_carry_the_cpp_message():
+    ext = pytest.importorskip("_hmoe_ffi")
+    with pytest.raises(ext.StagingRingError, match="need n_slots >= 1.*got n_slots=0"):
+        ext.StagingRing(0, 4096, 1)
+    with pytest.raises(StagingError, match="staging ring create: .*copy_threads=0"):
+        _ext_ring(2, 4096, 0)
+    with pytest.raises(StagingError, match="copy_threads must be >= 1"):
+        StagingRing(2, 4096, copy_threads=0)
+    with pytest.raises(StagingError, match="link_gbps must be > 0"):
+        StagingRing(2, 4096, link_gbps=-1.0)
+    ring = StagingRing(2, 4096, copy_threads=3)
+    assert ring.copy_threads == 3 and ring.copy_threads_why == "given"
+    with pytest.raises(StagingError, match=r"slot_ptr 2: .*out of range \[0, 2\)"):
+        ring.slot_ptr(2)
+    with pytest.raises(StagingError, match="bind_device: slot 5 out of range"):
+        _bind(ring, 4096, 5)
+    ring.close()
+    with pytest.raises(StagingError, match="closed"):
+        ring.fill(0, [(np.zeros(8, np.uint8), 0)])
+    ring.close()  # closing twice is fine
+
+
+def _ext_ring(n_slots, slot_bytes, threads):
+    from hmoe_jax.runtime import staging
+
+    return staging._call("create", staging._ext().StagingRing, n_slots, slot_bytes, threads, 0.0)
+
+
+def _bind(ring, ptr, slot):
+    from hmoe_jax.runtime import staging
+
+    return staging._call("bind_device", ring._ring.bind_device, ptr, slot)
+
+
+def test_wait_releases_the_gil():
+    """A Python thread blocked in wait() on a slow (rate-capped) fill lets another Python
+    thread run: the loader waiting on a copy does not stall the compute thread."""
+    nbytes, gbps = 8 * 2**20, 0.1  # ~84 ms at the cap
+    ring = StagingRing(1, nbytes, copy_threads=1, link_gbps=gbps)
+    ring.fill(0, [(np.ones(nbytes, np.uint8), 0)])
+    entered, finished = threading.Event(), threading.Event()
+
+    def loader():
+        entered.set()
+        ring.wait(0)
+        finished.set()
+
+    t = threading.Thread(target=loader)
+    t.start()
+    entered.wait()
+    resumed_ns = time.perf_counter_ns()  # CLOCK_MONOTONIC, the C++ copy's clock
+    steps = 0
+    while not finished.is_set():  # pure Python: runs only while the loader does not hold the GIL
+        steps += 1
+    t.join()
+    t0, t1 = ring.wait(0)
+    assert (t1 - t0) / 1e9 >= nbytes / (gbps * 1e9) * 0.999
+    # With the GIL held through the wait, this thread resumes only after the copy ended.
+    assert resumed_ns < t1 - (t1 - t0) // 2 and steps > 1000, (resumed_ns - t1, steps)
+
+
+def test_copy_threads_follow_the_measured_memcpy_rate(monkeypatch):
+    from hmoe_jax.runtime import staging
+
+    # ceil(link / one thread), within [1, min(cores, max)]; by hand:
+    assert staging.copy_threads_for(56.0, 10.0, cores=16) == 6  # 5.6 -> 6
+    assert staging.copy_threads_for(50.0, 25.0, cores=16) == 2  # exactly 2
+    assert staging.copy_threads_for(56.0, 10.0, cores=4) == 4  # core bound
+    assert staging.copy_threads_for(64.0, 5.0, cores=32) == 8  # 12.8 -> max 8
+    assert staging.copy_threads_for(1.0, 12.0, cores=2) == 1
+    with pytest.raises(StagingError, match="must be > 0"):
+        staging.copy_threads_for(0.0, 10.0, cores=4)
+    with pytest.raises(StagingError, match="cores"):
+        staging.copy_threads_for(10.0, 10.0, cores=0)
+    assert staging.memcpy_gbps_one_thread() > 0.05  # the real probe measures something
+    monkeypatch.setattr(staging, "memcpy_gbps_one_thread", lambda: 7.0)
+    monkeypatch.setattr(staging, "available_cores", lambda: 16)
+    ring = StagingRing(1, 4096, h2d_gbps=56.0)
+    assert ring.copy_threads == 8 and "56 GB/s link / 7 GB/s" in ring.copy_threads_why  # 56 / 7 = 8
+    ring = StagingRing(1, 4096, link_gbps=20.0, h2d_gbps=56.0)  # the emulated cap is what the copies meet
+    assert ring.copy_threads == 3  # ceil(20 / 7)
+    assert StagingRing(1, 4096).copy_threads == staging.DEFAULT_COPY_THREADS
+    assert StagingRing(1, 4096, copy_threads=5, h2d_gbps=56.0).copy_threads == 5
+
+
+# ---------------------------------------------------------------- the GPU side, on a fake driver
+
+
+def _choreography(n_slots, steps):
+    ext = pytest.importorskip("_hmoe_ffi")
+    log = ext._fake_cuda_choreography(n_slots, steps)
+    calls = [c for c in log if not c.startswith(("cuCtxPushCurrent", "cuCtxPopCurrent", "cuStreamGetCtx"))]
+    return log, calls
+
+
+def test_h2d_runs_on_its_own_stream_ordered_by_events():
+    """The staging put's driver calls (staging_cuda.h): DMAs on one non-blocking copy stream,
+    never on XLA's stream; XLA's stream never waits on the copy (the loader blocks on the
+    copied event instead); a slot's next DMA waits for the freed event recorded on XLA's
+    stream when the slot was released, and the other slot's DMA does not."""
+    log, calls = _choreography(
+        2, [("put", 0), ("wait", 0), ("put", 1), ("release", 0), ("put", 0), ("wait", 0)]
+    )
+    creates = [c for c in calls if c.startswith("cuStreamCreate")]
+    assert creates == ["cuStreamCreate s1 flags=1"], "one copy stream, CU_STREAM_NON_BLOCKING"
+    dmas = [c for c in calls if c.startswith("cuMemcpyHtoDAsync")]
+    assert len(dmas) == 6 and all(c.endswith(" on s1") for c in dmas)
+    assert not any(c.startswith("cuStreamWaitEvent xla") for c in calls), "the compute stream never waits"
+
+    def step(name):  # the calls of the step `name` ("put 0" ...), in order; occurrences joined
+        out, cur = [], None
+        for c in calls:
+            cur = c[2:] if c.startswith("# ") else cur
+            if cur == name and not c.startswith("# "):
+                out.append(c)
+        return out
+
+    first_put0 = calls[calls.index("# put 0") + 1 : calls.index("# wait 0")]
+    assert not any("cuStreamWaitEvent" in c for c in first_put0), "a slot's first DMA waits for nothing"
+    copied0 = next(c.split()[1] for c in first_put0 if c.startswith("cuEventRecord"))
+    assert f"cuEventSynchronize {copied0}" in step("wait 0")
+    (freed_record,) = step("release 0")
+    assert freed_record.endswith(" on xla"), "freed: recorded on XLA's stream at the release"
+    freed0 = freed_record.split()[1]
+    second = calls[calls.index("# release 0") + 2 :]
+    i_wait = second.index(f"cuStreamWaitEvent s1 waits {freed0}")
+    i_dma = next(i for i, c in enumerate(second) if c.startswith("cuMemcpyHtoDAsync"))
+    assert i_wait < i_dma, "the refill of slot 0 waits for its release"
+    assert not any("waits" in c for c in step("put 1")), "slot 1's DMA does not wait for slot 0's readers"
+
+
+def test_h2d_choreography_refuses_a_refill_without_release():
+    _, calls = _choreography(1, [("wait", 0), ("put", 0), ("wait", 0), ("put", 0)])
+    assert calls[1] == "not issued", "a wait before the put is issued returns without blocking"
+    assert calls[-1] == "error: slot 0 was not released since its last copy"
+    _, calls = _choreography(1, [("put", 0), ("put", 0)])
+    assert calls[-1] == "error: slot 0: the previous copy was not waited for"
+
+
+def test_cuda_driver_is_optional():
+    """The extension links no CUDA library: it loads here, and says what it did not find."""
+    ext = pytest.importorskip("_hmoe_ffi")
+    missing = ext.cuda_driver_missing()
+    if missing:
+        assert "libcuda.so.1" in missing or "cu" in missing
+    ring = StagingRing(1, 4096)  # a ring works without a driver; its GPU side is never touched
+    ring.fill(0, [(np.ones(64, np.uint8), 0)])
+    ring.wait(0)
+    ring.release(0)

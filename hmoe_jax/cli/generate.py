@@ -123,6 +123,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="cap the stand-in accelerator's compute rate (emulation, with --link-gbps)",
     )
     p.add_argument(
+        "--copy-threads",
+        type=int,
+        default=None,
+        help="host memcpy threads of the slp staging ring (default: ceil(link rate / this host's measured "
+        "one-thread memcpy rate), at most the cores available and 8)",
+    )
+    p.add_argument(
         "--system",
         default=None,
         help="configs/systems/<NAME>.toml profile or a path: the auto policy's thresholds and the plans' "
@@ -155,6 +162,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise InputError(f"--link-gbps must be > 0, got {args.link_gbps}")
     if args.acc_tflops_cap is not None and args.acc_tflops_cap <= 0:
         raise InputError(f"--acc-tflops-cap must be > 0, got {args.acc_tflops_cap}")
+    if args.copy_threads is not None and args.copy_threads < 1:
+        raise InputError(f"--copy-threads must be >= 1, got {args.copy_threads}")
     if args.trace is not None and not args.trace.resolve().parent.is_dir():
         raise InputError(f"--trace: directory {args.trace.parent} does not exist")
     run = build_run(args)
@@ -171,6 +180,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             system=system,
             link_gbps=args.link_gbps,
             acc_tflops_cap=args.acc_tflops_cap,
+            copy_threads=args.copy_threads,
             precision=args.precision,
             max_batch=1,
             max_len=len(ids) + args.max_new_tokens,

@@ -126,7 +126,9 @@ class Engine:
     (the KV pool: rows and tokens per row; or kv_budget_bytes for the rows), link_gbps
     (cap host->acc copies; emulation, never for performance claims), acc_tflops_cap
     (stand-in compute cap), expert_fn ('auto' | 'ref' | 'ffi' | an ExpertFn) for the host
-    experts, mode (executor mode of the prefill), decode_mode, copy_threads (staging ring),
+    experts, mode (executor mode of the prefill), decode_mode, copy_threads (the staging ring's
+    host memcpy threads; None: sized from this host's measured memcpy rate against link_gbps,
+    else the system's h2d_gbps: runtime/staging.py size_copy_threads),
     attn (prefill attention options: form, q_block, k_block), require_gpu (refuse to run on
     stand-in CPU devices when JAX found no GPU: a broken CUDA install falls back silently).
 
@@ -151,7 +153,7 @@ class Engine:
         expert_fn: str | ExpertFn = "auto",
         mode: str = "pipelined",
         decode_mode: str = "async",
-        copy_threads: int = 2,
+        copy_threads: int | None = None,
         attn: dict[str, Any] | None = None,
         require_gpu: bool = False,
     ):
@@ -211,7 +213,11 @@ class Engine:
         key = (int(slots), int(plan.meta["slot_bytes"]))
         if key not in self._rings:
             self._rings[key] = StagingRing(
-                key[0], key[1], copy_threads=self.copy_threads, link_gbps=self.link_gbps
+                key[0],
+                key[1],
+                copy_threads=self.copy_threads,
+                link_gbps=self.link_gbps,
+                h2d_gbps=self.system.h2d_gbps,
             )
         return self._rings[key]
 
@@ -257,8 +263,11 @@ class Engine:
             label=label,
         )
         if trace is not None:
+            ring = {}
+            if run.ring is not None:  # what the copies ran with (sized per host: not plan data)
+                ring = {"copy_threads": run.ring.copy_threads, "copy_threads_why": run.ring.copy_threads_why}
             run.plan_index = trace.add_plan(
-                {"schedule": plan.schedule, "num_tokens": plan.num_tokens, **plan.meta}
+                {"schedule": plan.schedule, "num_tokens": plan.num_tokens, **plan.meta, **ring}
             )
         return run, X.execute(plan, run, mode or self.mode)
 

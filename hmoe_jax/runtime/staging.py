@@ -227,6 +227,7 @@ class StagingRing:
         self.device_ring = device_ring  # see device_ring_mode
         self._dev: dict[tuple[int, int, jax.Device], ExpertsParams] = {}  # the device-side ring
         self._dma_client: Any = None  # the XLA client the arena is registered with (GPU)
+        self._puts: dict[int, int] = {}  # CUDA puts dispatched per slot (DeviceCopier's generations)
 
     @property
     def handle(self) -> int:
@@ -363,12 +364,23 @@ class StagingRing:
             raise
         if not all(a.is_deleted() for a in leaves):
             raise _refused_donation(slot)
-        # GPU: the DMA went to the ring's copy stream; block (GIL released) until it landed, so
-        # the load op completes, and its consumers launch, only after it (staging_cuda.h).
-        _call(f"wait_device slot {slot}", self._ring.wait_device, int(slot))
+        if device.platform != "cpu":
+            self._puts[slot] = self._puts.get(slot, 0) + 1
+            self._wait_device(slot, self._puts[slot], out)
         dev = jax.tree_util.tree_unflatten(treedef, out)
         self._dev[key] = dev
         return dev
+
+    def _wait_device(self, slot: int, generation: int, out: list[jax.Array]) -> None:
+        """GPU: the put's DMA went to the ring's copy stream; block (GIL released) until it
+        landed, so the load op completes, and its consumers launch, only after it
+        (staging_cuda.h). XLA may launch the put after jit returned, so first wait until it
+        was issued; if XLA finished the put without issuing it, surface its error."""
+        while not _call(f"wait_device slot {slot}", self._ring.wait_device, int(slot), generation, 0.05):
+            if all(a.is_ready() for a in out):
+                jax.block_until_ready(out)  # raises the handler's error, if it failed
+                if not _call(f"wait_device slot {slot}", self._ring.wait_device, int(slot), generation, 0.0):
+                    raise StagingError(f"to_device: the put of slot {slot} finished without issuing its copy")
 
     def device_buffers(self) -> dict[tuple[int, int, jax.Device], list[int]]:
         """(slot, count, device) -> addresses of the device-side ring's buffers (tests, docs)."""

@@ -62,6 +62,7 @@ StagingRing::StagingRing(int n_slots, size_t slot_bytes, int n_threads, double r
     : slots_(n_slots, SlotState::kFree),
       start_ns_(n_slots, 0),
       end_ns_(n_slots, 0),
+      copier_(&real_cuda_driver(), n_slots),
       slot_bytes_((slot_bytes + kAlign - 1) / kAlign * kAlign),
       rate_(rate_bytes_per_s) {
   size_t total = slot_bytes_ * static_cast<size_t>(n_slots);
@@ -129,27 +130,12 @@ std::string StagingRing::release(int slot) {
     if (slots_[slot] != SlotState::kReady) return "release: slot " + std::to_string(slot) + " is not ready";
     slots_[slot] = SlotState::kFree;
   }
-  std::lock_guard<std::mutex> lk(copier_mu_);
-  if (copier_) {
-    if (auto err = copier_->released(slot); !err.empty()) return "release: " + err;
-  }
+  if (auto err = copier_.released(slot); !err.empty()) return "release: " + err;
   return "";
 }
 
-DeviceCopier* StagingRing::copier(const CuDriver* cu) {
-  std::lock_guard<std::mutex> lk(copier_mu_);
-  if (!copier_) copier_ = std::make_unique<DeviceCopier>(cu, n_slots());
-  return copier_.get();
-}
-
-std::string StagingRing::wait_device(int slot) {
-  DeviceCopier* c = nullptr;
-  {
-    std::lock_guard<std::mutex> lk(copier_mu_);
-    c = copier_.get();
-  }
-  if (!c) return "";
-  auto err = c->wait_copied(slot);
+std::string StagingRing::wait_device(int slot, uint64_t generation, int64_t timeout_ns, bool* done) {
+  auto err = copier_.wait_copied(slot, generation, timeout_ns, done);
   return err.empty() ? "" : "wait_device: " + err;
 }
 
@@ -405,7 +391,7 @@ ffi::Error StagingPutCudaImpl(void* stream, int64_t ring, ffi::Span<const int64_
   if (!cu.ok()) return ffi::Error::Internal("hmoe_staging_put (CUDA): driver API not found: " + cu.missing);
   auto* r = reinterpret_cast<hmoe::StagingRing*>(ring);
   int slot = r->bound_slot(reinterpret_cast<uintptr_t>(copies.front().dst));
-  if (auto err = r->copier(&cu)->put(stream, slot, copies); !err.empty())
+  if (auto err = r->copier().put(stream, slot, copies); !err.empty())
     return ffi::Error::Internal("hmoe_staging_put (CUDA): " + err);
   return ffi::Error::Success();
 }

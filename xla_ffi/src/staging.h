@@ -67,10 +67,10 @@ class StagingRing {
   void bind_device(uintptr_t device_ptr, int slot);
   int bound_slot(uintptr_t device_ptr);  // -1 if not bound
 
-  // The GPU side (created on the first CUDA put with `cu`'s driver table; null before).
-  DeviceCopier* copier(const CuDriver* cu);
-  // Block until the slot's last device copy landed (no-op without a GPU side).
-  std::string wait_device(int slot);
+  // The GPU side (libcuda's driver table; no driver call before the first CUDA put).
+  DeviceCopier& copier() { return copier_; }
+  // DeviceCopier::wait_copied for this ring's slots.
+  std::string wait_device(int slot, uint64_t generation, int64_t timeout_ns, bool* done);
 
   uint64_t bytes_copied() const { return bytes_copied_.load(); }
   uint64_t fills_done() const { return fills_done_.load(); }
@@ -88,6 +88,7 @@ class StagingRing {
 
   std::vector<SlotState> slots_;
   std::vector<int64_t> start_ns_, end_ns_;
+  DeviceCopier copier_;
   size_t slot_bytes_;
   uint8_t* arena_ = nullptr;
   bool pinned_ = false;
@@ -118,8 +119,6 @@ class StagingRing {
 
   std::atomic<uint64_t> bytes_copied_{0};
   std::atomic<uint64_t> fills_done_{0};
-  std::mutex copier_mu_;
-  std::unique_ptr<DeviceCopier> copier_;
 };
 
 int64_t monotonic_ns();

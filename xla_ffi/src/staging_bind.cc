@@ -7,6 +7,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -103,25 +104,31 @@ CuDriver fake_driver() {
 }
 
 // Runs a script of ("put", slot) / ("release", slot) / ("wait", slot) steps against a fresh
-// DeviceCopier of n_slots on the fake driver; returns the driver calls, one string each (a
-// failing step appends "error: ...").
+// DeviceCopier of n_slots on the fake driver ("wait" waits for the slot's latest put, without
+// blocking); returns the driver calls, one string each (a failing step appends "error: ...",
+// a wait whose put was not issued "not issued").
 std::vector<std::string> fake_choreography(int n_slots, const std::vector<std::tuple<std::string, int>>& steps) {
   static const CuDriver fake = fake_driver();
   g_log.clear();
   g_next_handle = 0;
   DeviceCopier c(&fake, n_slots);
   void* xla = reinterpret_cast<void*>(0x1000);
+  std::vector<uint64_t> puts(std::max(n_slots, 0), 0);
   for (const auto& [what, slot] : steps) {
+    if (slot < 0 || slot >= n_slots) throw RingError("fake_choreography: slot " + std::to_string(slot) + " out of range");
     std::string err;
     g_log.push_back("# " + what + " " + std::to_string(slot));
     if (what == "put") {
       std::vector<PutCopy> copies = {{reinterpret_cast<void*>(uintptr_t(1000 + 10 * slot)), nullptr, 64},
                                      {reinterpret_cast<void*>(uintptr_t(1001 + 10 * slot)), nullptr, 8}};
       err = c.put(xla, slot, copies);
+      if (err.empty()) ++puts[slot];
     } else if (what == "release") {
       err = c.released(slot);
     } else if (what == "wait") {
-      err = c.wait_copied(slot);
+      bool done = false;
+      err = c.wait_copied(slot, puts[slot] ? puts[slot] : 1, 0, &done);
+      if (err.empty() && !done) g_log.push_back("not issued");
     } else {
       throw RingError("fake_choreography: unknown step " + what);
     }
@@ -189,16 +196,20 @@ void bind_staging(nb::module_& m) {
           nb::arg("slot"), "block (GIL released) until the slot is filled; the copy's (start_ns, end_ns)")
       .def(
           "wait_device",
-          [](PyRing& r, int slot) {
+          [](PyRing& r, int slot, uint64_t generation, double timeout_s) {
             StagingRing& g = r.get();
             std::string err;
+            bool done = false;
             {
               nb::gil_scoped_release nogil;
-              err = g.wait_device(slot);
+              err = g.wait_device(slot, generation, int64_t(timeout_s * 1e9), &done);
             }
             check(err);
+            return done;
           },
-          nb::arg("slot"), "block (GIL released) until the slot's last host->device DMA landed")
+          nb::arg("slot"), nb::arg("generation"), nb::arg("timeout_s"),
+          "block (GIL released) until the slot's put number `generation` was issued and its DMA landed; "
+          "False if it was not issued within timeout_s")
       .def("release", [](PyRing& r, int slot) { check(r.get().release(slot)); }, nb::arg("slot"))
       .def("state", [](PyRing& r, int slot) { return r.get().state(slot); }, nb::arg("slot"))
       .def(

@@ -5,6 +5,9 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
+#include <chrono>
+
 namespace hmoe {
 
 namespace {
@@ -96,8 +99,10 @@ std::string DeviceCopier::put(void* xla_stream, int slot, const std::vector<PutC
   s.copy_pending = true;
   s.freed_recorded = false;
   s.used = true;
+  ++s.issued;
   xla_stream_ = xla_stream;
   ctx_ = ctx;
+  cv_issued_.notify_all();
   return "";
 }
 
@@ -113,13 +118,24 @@ std::string DeviceCopier::released(int slot) {
   return "";
 }
 
-std::string DeviceCopier::wait_copied(int slot) {
+std::string DeviceCopier::wait_copied(int slot, uint64_t generation, int64_t timeout_ns, bool* done) {
+  *done = false;
   if (slot < 0 || slot >= int(slots_.size())) return "slot " + std::to_string(slot) + " out of range";
   void *ev = nullptr, *ctx = nullptr;
   {
-    std::lock_guard<std::mutex> lk(mu_);
-    if (!slots_[slot].copy_pending) return "";
-    ev = slots_[slot].copied;
+    std::unique_lock<std::mutex> lk(mu_);
+    Slot& s = slots_[slot];
+    if (!cv_issued_.wait_for(lk, std::chrono::nanoseconds(std::max<int64_t>(timeout_ns, 0)),
+                             [&] { return s.issued >= generation; }))
+      return "";  // not issued yet
+    if (s.issued > generation)
+      return "slot " + std::to_string(slot) + ": put " + std::to_string(generation) + " was overtaken by put " +
+             std::to_string(s.issued) + " before it was waited for";
+    if (!s.copy_pending) {
+      *done = true;  // already waited for
+      return "";
+    }
+    ev = s.copied;
     ctx = ctx_;
   }
   // Outside the lock: another slot's put may be issued meanwhile (the loader of a 2nd device).
@@ -127,6 +143,7 @@ std::string DeviceCopier::wait_copied(int slot) {
   if (auto e = call(cu_->event_synchronize(ev), "cuEventSynchronize"); !e.empty()) return e;
   std::lock_guard<std::mutex> lk(mu_);
   slots_[slot].copy_pending = false;
+  *done = true;
   return "";
 }
 

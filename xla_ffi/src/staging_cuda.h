@@ -21,7 +21,9 @@
 //    thread blocks on `copied[slot]` (cuEventSynchronize, GIL released) before the load op
 //    completes, and the executor launches a consumer only after its load op completed. The
 //    compute stream itself never waits on the copy stream, so where the put sits in XLA's
-//    stream order does not matter (before or after the GEMMs of group g).
+//    stream order does not matter (before or after the GEMMs of group g). XLA may launch the
+//    put's executable after jit returns (async dispatch), so the loader first waits until the
+//    put of the generation it dispatched has been issued (a per-slot count), then for its DMA.
 //
 // So the DMA of group g+1 runs on the copy engine while the compute stream runs group g's GEMMs,
 // with ring size R >= 2 (the slot being refilled is not the one being read).
@@ -32,6 +34,7 @@
 #pragma once
 
 #include <cstddef>
+#include <condition_variable>
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -78,8 +81,10 @@ class DeviceCopier {
   // The ring released `slot`: record its freed event on the last XLA stream seen by put()
   // (nothing before the first put: the slot's device buffers were never read yet).
   std::string released(int slot);
-  // Block the calling thread until the slot's last put() landed (no-op if none pending).
-  std::string wait_copied(int slot);
+  // Block the calling thread until the slot's put number `generation` (1, 2, ... per slot)
+  // was issued and its DMA landed; gives up after timeout_ns if the put was not issued by then
+  // (*done = false: the caller checks whether XLA failed the put instead).
+  std::string wait_copied(int slot, uint64_t generation, int64_t timeout_ns, bool* done);
 
  private:
   struct Slot {
@@ -88,12 +93,14 @@ class DeviceCopier {
     bool copy_pending = false;
     bool freed_recorded = false;
     bool used = false;
+    uint64_t issued = 0;  // puts issued so far
   };
   std::string call(int rc, const char* what);
   std::string ensure_events(Slot& s);
 
   const CuDriver* cu_;
   std::mutex mu_;
+  std::condition_variable cv_issued_;
   std::vector<Slot> slots_;
   std::unordered_map<void*, void*> copy_stream_;  // context -> our copy stream
   void* xla_stream_ = nullptr;
