@@ -392,3 +392,36 @@ def test_cuda_driver_is_optional():
     ring.fill(0, [(np.ones(64, np.uint8), 0)])
     ring.wait(0)
     ring.release(0)
+
+
+@pytest.mark.parametrize("copy_threads", [None, 3])
+def test_engine_ring_copy_threads_reach_the_trace(copy_threads):
+    """The engine's ring is sized like StagingRing sizes it (None: against the link cap, here
+    0.2 GB/s, which one thread of any host outruns: 1 thread), and a traced prefill states the
+    count and why in its plan entry."""
+    from hmoe_jax.config import named_model_config
+    from hmoe_jax.engine.engine import Engine
+    from hmoe_jax.plan.system import SystemSpec
+    from hmoe_jax.plan.trace import TraceRecorder
+    from hmoe_jax.runtime import staging
+    from hmoe_jax.runtime.synthetic import random_params
+
+    cfg = named_model_config("deepseek_v3_tiny")
+    eng = Engine(
+        random_params(cfg, seed=5),
+        cfg,
+        system=SystemSpec(slp_experts_per_slot=4),
+        link_gbps=0.2,
+        copy_threads=copy_threads,
+        expert_fn="ref",
+        precision="f32",
+    )
+    tr = TraceRecorder()
+    _, run, _, _ = eng.prefill(np.arange(2, 10), eng.new_cache(32), "slp", trace=tr)
+    want = 3 if copy_threads else staging.copy_threads_for(0.2, staging.memcpy_gbps_one_thread(), 1)
+    assert run.ring.copy_threads == want
+    entry = tr.meta["plans"][-1]
+    assert entry["copy_threads"] == want
+    assert entry["copy_threads_why"] == ("given" if copy_threads else run.ring.copy_threads_why)
+    assert copy_threads or "0.2 GB/s link" in entry["copy_threads_why"]
+    eng.close()
