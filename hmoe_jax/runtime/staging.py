@@ -47,7 +47,13 @@ class StagingError(RuntimeError):
 
 
 def _ext() -> Any:
-    return hffi.extension()
+    ext = hffi.extension()
+    if not hasattr(ext, "StagingRing"):  # an extension built before the ring was a class
+        raise StagingError(
+            f"the compiled extension {ext.__file__} has no StagingRing class (built from older sources); "
+            "rebuild it: pip install . (or tools/build_ffi.sh build/dev; PYTHONPATH=build/dev)"
+        )
+    return ext
 
 
 def _call(what: str, fn, *args) -> Any:
