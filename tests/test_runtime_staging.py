@@ -425,3 +425,24 @@ def test_engine_ring_copy_threads_reach_the_trace(copy_threads):
     assert entry["copy_threads_why"] == ("given" if copy_threads else run.ring.copy_threads_why)
     assert copy_threads or "0.2 GB/s link" in entry["copy_threads_why"]
     eng.close()
+
+
+def test_engine_sizes_a_dslp_ring_for_every_ranks_link(monkeypatch):
+    """One host ring feeds N ranks' links in dslp: its threads are sized against N x h2d."""
+    from hmoe_jax.config import named_model_config
+    from hmoe_jax.engine.engine import Engine
+    from hmoe_jax.plan.system import SystemSpec
+    from hmoe_jax.runtime import staging
+    from hmoe_jax.runtime.synthetic import random_params
+
+    monkeypatch.setattr(staging, "memcpy_gbps_one_thread", lambda: 20.0)
+    monkeypatch.setattr(staging, "available_cores", lambda: 16)
+    cfg = named_model_config("deepseek_v3_tiny")
+    eng = Engine(
+        random_params(cfg, seed=5), cfg, devices=2, system=SystemSpec(num_accelerators=2, h2d_gbps=56.0)
+    )
+    slp, dslp = eng.plan("slp", 16), eng.plan("dslp", 16)
+    assert dslp.meta["devices"] == 2 and "ring_slots" in dslp.meta
+    assert eng.ring_for(slp).copy_threads == 3  # ceil(56 / 20)
+    assert eng.ring_for(dslp).copy_threads == 6  # ceil(2 x 56 / 20)
+    eng.close()

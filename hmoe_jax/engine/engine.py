@@ -212,12 +212,15 @@ class Engine:
             return None
         key = (int(slots), int(plan.meta["slot_bytes"]))
         if key not in self._rings:
+            # One host ring feeds every rank's link (dslp: N accelerators, N links), so its
+            # memcpy threads are sized against their sum.
+            links = int(plan.meta.get("devices", 1))
             self._rings[key] = StagingRing(
                 key[0],
                 key[1],
                 copy_threads=self.copy_threads,
                 link_gbps=self.link_gbps,
-                h2d_gbps=self.system.h2d_gbps,
+                h2d_gbps=self.system.h2d_gbps * links,
             )
         return self._rings[key]
 
