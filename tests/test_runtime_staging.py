@@ -372,14 +372,25 @@ def test_h2d_runs_on_its_own_stream_ordered_by_events():
     i_dma = next(i for i, c in enumerate(second) if c.startswith("cuMemcpyHtoDAsync"))
     assert i_wait < i_dma, "the refill of slot 0 waits for its release"
     assert not any("waits" in c for c in step("put 1")), "slot 1's DMA does not wait for slot 0's readers"
+    created = {c.split()[1] for c in calls if c.startswith(("cuEventCreate", "cuStreamCreate"))}
+    destroyed = {c.split()[1] for c in step("close")}
+    assert created == destroyed == {"s1", "e2", "e3", "e4", "e5"}, (
+        "the ring's close frees its stream and events"
+    )
 
 
 def test_h2d_choreography_refuses_a_refill_without_release():
-    _, calls = _choreography(1, [("wait", 0), ("put", 0), ("wait", 0), ("put", 0)])
-    assert calls[1] == "not issued", "a wait before the put is issued returns without blocking"
-    assert calls[-1] == "error: slot 0 was not released since its last copy"
-    _, calls = _choreography(1, [("put", 0), ("put", 0)])
-    assert calls[-1] == "error: slot 0: the previous copy was not waited for"
+    def outcome(steps):  # the "not issued" / "error: ..." lines, in order
+        _, calls = _choreography(1, steps)
+        return [c for c in calls if c == "not issued" or c.startswith("error")]
+
+    assert outcome([("wait", 0), ("put", 0), ("wait", 0)]) == ["not issued"], (
+        "a wait before its put was issued returns without blocking"
+    )
+    assert outcome([("put", 0), ("wait", 0), ("put", 0)]) == [
+        "error: slot 0 was not released since its last copy"
+    ]
+    assert outcome([("put", 0), ("put", 0)]) == ["error: slot 0: the previous copy was not waited for"]
 
 
 def test_cuda_driver_is_optional():

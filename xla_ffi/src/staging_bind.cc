@@ -100,6 +100,14 @@ CuDriver fake_driver() {
                     name_of(s));
     return 0;
   };
+  d.event_destroy = [](void* e) {
+    g_log.push_back("cuEventDestroy " + name_of(e));
+    return 0;
+  };
+  d.stream_destroy = [](void* s) {
+    g_log.push_back("cuStreamDestroy " + name_of(s));
+    return 0;
+  };
   return d;
 }
 
@@ -111,7 +119,8 @@ std::vector<std::string> fake_choreography(int n_slots, const std::vector<std::t
   static const CuDriver fake = fake_driver();
   g_log.clear();
   g_next_handle = 0;
-  DeviceCopier c(&fake, n_slots);
+  auto copier = std::make_unique<DeviceCopier>(&fake, n_slots);
+  DeviceCopier& c = *copier;
   void* xla = reinterpret_cast<void*>(0x1000);
   std::vector<uint64_t> puts(std::max(n_slots, 0), 0);
   for (const auto& [what, slot] : steps) {
@@ -134,6 +143,8 @@ std::vector<std::string> fake_choreography(int n_slots, const std::vector<std::t
     }
     if (!err.empty()) g_log.push_back("error: " + err);
   }
+  g_log.push_back("# close");
+  copier.reset();
   return g_log;
 }
 

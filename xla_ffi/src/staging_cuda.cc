@@ -52,12 +52,25 @@ const CuDriver& real_cuda_driver() {
     resolve(h, "cuStreamWaitEvent", &d.stream_wait_event, &d.missing);
     resolve(h, "cuEventSynchronize", &d.event_synchronize, &d.missing);
     resolve(h, "cuMemcpyHtoDAsync_v2", &d.memcpy_htod_async, &d.missing);
+    resolve(h, "cuEventDestroy_v2", &d.event_destroy, &d.missing);
+    resolve(h, "cuStreamDestroy_v2", &d.stream_destroy, &d.missing);
     return d;
   }();
   return d;
 }
 
 DeviceCopier::DeviceCopier(const CuDriver* cu, int n_slots) : cu_(cu), slots_(n_slots) {}
+
+DeviceCopier::~DeviceCopier() {
+  if (!ctx_) return;  // never used: nothing was created
+  CtxScope scope(cu_, ctx_);
+  for (auto& s : slots_) {
+    if (s.copied) cu_->event_destroy(s.copied);
+    if (s.freed) cu_->event_destroy(s.freed);
+  }
+  for (auto& [ctx, stream] : copy_stream_)
+    if (stream) cu_->stream_destroy(stream);  // returns at once; pending work still completes
+}
 
 std::string DeviceCopier::call(int rc, const char* what) {
   return rc == 0 ? "" : std::string(what) + " failed: CUresult " + std::to_string(rc);

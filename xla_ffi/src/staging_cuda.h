@@ -54,6 +54,8 @@ struct CuDriver {
   int (*stream_wait_event)(void* stream, void* event, unsigned flags) = nullptr;
   int (*event_synchronize)(void* event) = nullptr;
   int (*memcpy_htod_async)(unsigned long long dst, const void* src, size_t bytes, void* stream) = nullptr;
+  int (*event_destroy)(void* event) = nullptr;
+  int (*stream_destroy)(void* stream) = nullptr;
   std::string missing;  // "" or what could not be resolved
   bool ok() const { return missing.empty(); }
 };
@@ -68,11 +70,14 @@ struct PutCopy {
 };
 
 // Per staging ring: the events of its slots and the copy stream of each CUDA context it was
-// used in (one stream per context, created on first use, never destroyed: the ring may be
-// closed while a context is being torn down, and a leaked stream is harmless).
+// used in (one stream per ring and context, created on first use; destroyed with the ring,
+// when the driver may already be shutting down: their errors are ignored then).
 class DeviceCopier {
  public:
   DeviceCopier(const CuDriver* cu, int n_slots);
+  ~DeviceCopier();
+  DeviceCopier(const DeviceCopier&) = delete;
+  DeviceCopier& operator=(const DeviceCopier&) = delete;
 
   // Enqueue `copies` for `slot` on the copy stream of xla_stream's context, after the slot's
   // freed event (if the slot was used and released before), and record its copied event.
