@@ -62,14 +62,16 @@ const CuDriver& real_cuda_driver() {
 DeviceCopier::DeviceCopier(const CuDriver* cu, int n_slots) : cu_(cu), slots_(n_slots) {}
 
 DeviceCopier::~DeviceCopier() {
-  if (!ctx_) return;  // never used: nothing was created
-  CtxScope scope(cu_, ctx_);
   for (auto& s : slots_) {
+    if (!s.ctx) continue;  // never used: nothing was created for it
+    CtxScope scope(cu_, s.ctx);
     if (s.copied) cu_->event_destroy(s.copied);
     if (s.freed) cu_->event_destroy(s.freed);
   }
-  for (auto& [ctx, stream] : copy_stream_)
+  for (auto& [ctx, stream] : copy_stream_) {
+    CtxScope scope(cu_, ctx);
     if (stream) cu_->stream_destroy(stream);  // returns at once; pending work still completes
+  }
 }
 
 std::string DeviceCopier::call(int rc, const char* what) {
@@ -95,6 +97,8 @@ std::string DeviceCopier::put(void* xla_stream, int slot, const std::vector<PutC
   if (!copy)
     if (auto e = call(cu_->stream_create(&copy, kStreamNonBlocking), "cuStreamCreate"); !e.empty()) return e;
   Slot& s = slots_[slot];
+  if (s.ctx && s.ctx != ctx) return "slot " + std::to_string(slot) + ": its events belong to another CUDA context";
+  s.ctx = ctx;
   if (auto e = ensure_events(s); !e.empty()) return e;
   if (s.copy_pending) return "slot " + std::to_string(slot) + ": the previous copy was not waited for";
   if (s.used) {
@@ -113,8 +117,7 @@ std::string DeviceCopier::put(void* xla_stream, int slot, const std::vector<PutC
   s.freed_recorded = false;
   s.used = true;
   ++s.issued;
-  xla_stream_ = xla_stream;
-  ctx_ = ctx;
+  s.xla_stream = xla_stream;
   cv_issued_.notify_all();
   return "";
 }
@@ -123,10 +126,11 @@ std::string DeviceCopier::released(int slot) {
   if (slot < 0 || slot >= int(slots_.size())) return "slot " + std::to_string(slot) + " out of range";
   std::lock_guard<std::mutex> lk(mu_);
   Slot& s = slots_[slot];
-  if (!s.used || !xla_stream_) return "";  // never copied to: nothing can still read it
-  CtxScope scope(cu_, ctx_);
-  // Recorded on XLA's stream after the slot's readers were launched (the unload op's deps).
-  if (auto e = call(cu_->event_record(s.freed, xla_stream_), "cuEventRecord"); !e.empty()) return e;
+  if (!s.used) return "";  // never copied to: nothing can still read it
+  CtxScope scope(cu_, s.ctx);
+  // Recorded on the stream of the XLA device that read the slot, after its readers were
+  // launched (the unload op's deps).
+  if (auto e = call(cu_->event_record(s.freed, s.xla_stream), "cuEventRecord"); !e.empty()) return e;
   s.freed_recorded = true;
   return "";
 }
@@ -149,7 +153,7 @@ std::string DeviceCopier::wait_copied(int slot, uint64_t generation, int64_t tim
       return "";
     }
     ev = s.copied;
-    ctx = ctx_;
+    ctx = s.ctx;
   }
   // Outside the lock: another slot's put may be issued meanwhile (the loader of a 2nd device).
   CtxScope scope(cu_, ctx);

@@ -81,9 +81,9 @@ class DeviceCopier {
 
   // Enqueue `copies` for `slot` on the copy stream of xla_stream's context, after the slot's
   // freed event (if the slot was used and released before), and record its copied event.
-  // Remembers xla_stream (for released()). Returns "" or an error naming the failing call.
+  // Remembers xla_stream for the slot (released()). Returns "" or an error naming the failing call.
   std::string put(void* xla_stream, int slot, const std::vector<PutCopy>& copies);
-  // The ring released `slot`: record its freed event on the last XLA stream seen by put()
+  // The ring released `slot`: record its freed event on the XLA stream of its last put()
   // (nothing before the first put: the slot's device buffers were never read yet).
   std::string released(int slot);
   // Block the calling thread until the slot's put number `generation` (1, 2, ... per slot)
@@ -99,6 +99,8 @@ class DeviceCopier {
     bool freed_recorded = false;
     bool used = false;
     uint64_t issued = 0;  // puts issued so far
+    void* ctx = nullptr;  // the CUDA context of the device the slot was copied to
+    void* xla_stream = nullptr;  // that device's XLA stream (the slot's readers run there)
   };
   std::string call(int rc, const char* what);
   std::string ensure_events(Slot& s);
@@ -108,8 +110,6 @@ class DeviceCopier {
   std::condition_variable cv_issued_;
   std::vector<Slot> slots_;
   std::unordered_map<void*, void*> copy_stream_;  // context -> our copy stream
-  void* xla_stream_ = nullptr;
-  void* ctx_ = nullptr;
 };
 
 }  // namespace hmoe
