@@ -457,3 +457,11 @@ def test_engine_sizes_a_dslp_ring_for_every_ranks_link(monkeypatch):
     assert eng.ring_for(slp).copy_threads == 3  # ceil(56 / 20)
     assert eng.ring_for(dslp).copy_threads == 6  # ceil(2 x 56 / 20)
     eng.close()
+
+
+def test_cli_copy_threads_flag_is_checked(capsys):
+    from hmoe_jax import cli
+
+    base = ["generate", "--tokens", "5,6", "--quiet", "--no-warmup", "--schedule", "slp"]
+    assert cli.main([*base, "--copy-threads", "0"]) == 1
+    assert "--copy-threads must be >= 1, got 0" in capsys.readouterr().err
