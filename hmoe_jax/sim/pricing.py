@@ -171,7 +171,9 @@ def _device(devices: tuple[int, ...], resource: str, rates: Rates) -> int:
 
 
 def _dtype(plan: Plan) -> str:
-    dt = str(plan.meta.get("compute_dtype", "bf16"))
+    # gemm_dtype_whatif (sim/run.price_gemms_as, `hmoe simulate --gemm-dtype`): the GEMMs
+    # priced at another dtype; compute_dtype itself stays, since the cache reads follow it
+    dt = str(plan.meta.get("gemm_dtype_whatif", plan.meta.get("compute_dtype", "bf16")))
     if dt not in ("fp32", "bf16", "fp8"):
         raise SimError(f"plan {plan.schedule!r}: compute_dtype {dt!r}, expected fp32, bf16 or fp8")
     return dt
