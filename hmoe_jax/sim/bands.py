@@ -174,6 +174,12 @@ class PlanPrices:
         )
 
 
+def _snap(v: float, c: float) -> float:
+    """v, or c when they differ only by float summation order (an op priced differently
+    by a few ulps reorders the event loop's sums): such an input moved nothing."""
+    return c if abs(v - c) <= 1e-9 * abs(c) else v
+
+
 def band(
     evaluate: Callable[[Profile], dict[str, Any]],
     profile: Profile,
@@ -218,8 +224,7 @@ def band(
         c = float(central[m])
         rows = []
         for inp, got in zip(inputs, ends, strict=True):
-            lo_v = c if got["low"] is None else float(got["low"][m])
-            hi_v = c if got["high"] is None else float(got["high"][m])
+            lo_v, hi_v = (c if got[e] is None else _snap(float(got[e][m]), c) for e in ("low", "high"))
             rows.append(
                 {
                     "key": inp.key,
