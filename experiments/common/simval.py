@@ -9,10 +9,12 @@ and overheads stay as calibrated. No input is fitted to an engine time.
 
 One plan, one spec: the engine of a validation row plans on validation_system(), the
 SystemSpec of the same local profile (and emulated link) the simulator times it on, with
-the same pool options (engine_prefill_options, engine_decode_plan), so the engine runs the
-plan the simulator times, op for op (tests/test_sim_oneplan.py). Before this, make_engine
-used SystemSpec() (the paper box's defaults): the e04 slp rows ran a 2-slot ring while the
-simulator timed local.toml's 32.
+the same plan options (sim.run.plan_options, through engine_prefill_options and
+engine_decode_plan), so the engine runs the plan the simulator times, op for op
+(tests/test_sim_oneplan.py checks it through Engine.plan on the rows' shapes). Before this,
+make_engine used SystemSpec() (the paper box's defaults; issue 27 read a 2-slot ring in the
+e04 slp rows of its records against local.toml's 32), prefills were planned for a cache of
+the prompt's length and decode steps at position 0.
 """
 
 from __future__ import annotations
@@ -54,20 +56,20 @@ def validation_system(link_gbps: float | None = None, devices: int = 1):
 
 def engine_prefill_options(eng) -> dict[str, Any]:
     """The pool options of the engine's validation prefill plan: one row of the engine's
-    cache length (measure_prefill prefills into eng.new_cache(eng.max_len)), as the
-    simulator's simulate_request(..., max_len=eng.max_len) passes them."""
-    return {"kv_rows": 1, "max_len": eng.max_len}
+    cache length (measure_prefill prefills into eng.new_cache(eng.max_len)), the options the
+    simulator's simulate_request(..., max_len=eng.max_len) plans with (sim.run.plan_options)."""
+    from hmoe_jax.sim.run import plan_options
+
+    return plan_options(1, eng.max_len)
 
 
 def engine_decode_plan(eng, batch: int, context: int):
-    """The decode plan the engine runs for a validation row of `batch` rows at `context`: the
-    cpu schedule's decode plan with the pool options and the form the simulator's
-    decode_step_plan(..., max_len=eng.max_len) builds."""
-    from hmoe_jax.sim.run import DECODE_MODES
+    """The decode plan the engine runs for a validation row of `batch` rows at `context`:
+    the cpu schedule's decode plan with the options the simulator's decode_step_plan(...,
+    max_len=eng.max_len) plans with (sim.run.plan_options)."""
+    from hmoe_jax.sim.run import plan_options
 
-    return eng.plan(
-        "cpu", 1, context, batch=batch, kv_rows=batch, max_len=eng.max_len, **DECODE_MODES["fused"][0]
-    )
+    return eng.plan("cpu", 1, context, **plan_options(batch, eng.max_len, decode=True))
 
 
 def bench_params(quick: bool):

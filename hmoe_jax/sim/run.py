@@ -184,6 +184,19 @@ def decode_positions(prompt_len: int, decode_tokens: int) -> list[tuple[int, int
     return [(ps[-1], len(ps)) for _, ps in sorted(groups.items())]
 
 
+def plan_options(batch: int, max_len: int, *, decode: bool = False, decode_mode: str = "fused") -> dict:
+    """The options the simulator plans a request's pieces with: its KV pool (batch rows of
+    max_len tokens, for the memory budget and the attention's cache slots) and, for a decode
+    step, its batch and the DECODE_MODES form. The engine of a validation row plans with the
+    same options (experiments/common/simval.py), so the engine runs the plan timed here."""
+    if decode_mode not in DECODE_MODES:
+        raise ValueError(f"decode mode {decode_mode!r}, expected one of {list(DECODE_MODES)}")
+    opts: dict[str, Any] = {"kv_rows": batch, "max_len": max_len}
+    if decode:
+        opts.update(batch=batch, **DECODE_MODES[decode_mode][0])
+    return opts
+
+
 def request_plans(
     cfg: ModelConfig,
     profile: Profile,
@@ -204,18 +217,15 @@ def request_plans(
     to see which inputs a projection reads."""
     if prompt_len < 1 or batch < 1 or decode_tokens < 0:
         raise ValueError(f"simulate: prompt_len={prompt_len}, batch={batch}, decode_tokens={decode_tokens}")
-    if decode_mode not in DECODE_MODES:
-        raise ValueError(f"decode mode {decode_mode!r}, expected one of {list(DECODE_MODES)}")
     length = max_len or min(cfg.max_position_embeddings, prompt_len + max(decode_tokens, 1))
-    opts = {"kv_rows": batch, "max_len": length, **(prefill_options or {})}
+    dec_opts = plan_options(batch, length, decode=True, decode_mode=decode_mode)
+    opts = {**plan_options(batch, length), **(prefill_options or {})}
     out = [
         _part("prefill", *build_plan(cfg, profile, schedule, prompt_len, **opts), 1, "pipelined", gemm_dtype)
     ]
-    dec_opts, mode = DECODE_MODES[decode_mode]
+    mode = DECODE_MODES[decode_mode][1]
     for pos, n in decode_positions(prompt_len, decode_tokens) if decode_tokens else []:
-        built = build_plan(
-            cfg, profile, "cpu", 1, start_pos=pos, batch=batch, kv_rows=batch, max_len=length, **dec_opts
-        )
+        built = build_plan(cfg, profile, "cpu", 1, start_pos=pos, **dec_opts)
         out.append(_part("decode", *built, n, mode, gemm_dtype))
     return out
 
@@ -324,14 +334,10 @@ def decode_step_plan(
 ) -> dict[str, Any]:
     """The plan of one decode step of `batch` rows at position `context` (request_plans'
     part dict): what simulate_decode_step times."""
-    if decode_mode not in DECODE_MODES:
-        raise ValueError(f"decode mode {decode_mode!r}, expected one of {list(DECODE_MODES)}")
     length = max_len or min(cfg.max_position_embeddings, context + 64)
-    dec_opts, mode = DECODE_MODES[decode_mode]
-    built = build_plan(
-        cfg, profile, "cpu", 1, start_pos=context, batch=batch, kv_rows=batch, max_len=length, **dec_opts
-    )
-    return _part("decode", *built, 1, mode, gemm_dtype)
+    opts = plan_options(batch, length, decode=True, decode_mode=decode_mode)
+    built = build_plan(cfg, profile, "cpu", 1, start_pos=context, **opts)
+    return _part("decode", *built, 1, DECODE_MODES[decode_mode][1], gemm_dtype)
 
 
 def simulate_decode_step(
