@@ -204,7 +204,13 @@ def _print_text(rec: dict[str, Any]) -> None:
         f"{rec['prompt_len']} prompt tokens"
     )
     for k, v in rec.get("whatif", {}).items():
-        shown = ", ".join(f"{s['key']}={s['value']} (was {s['was']})" for s in v) if k == "set" else v
+        shown = (
+            ", ".join(
+                f"{s['key']}={s['value']} (was {'absent' if s['was'] is None else s['was']})" for s in v
+            )
+            if k == "set"
+            else v
+        )
         print(f"  WHAT-IF {k}: {shown if not isinstance(shown, dict) else shown['dtype']}")
     print(f"  TTFT {rec['ttft_s']:.3f} s, prefill {rec['prefill_tok_per_s']:.1f} tok/s, bound by {pre}")
     if not rec["fits"]:
@@ -221,7 +227,8 @@ def _print_text(rec: dict[str, Any]) -> None:
             f"{r['key']} {r['at_low']:.4g}..{r['at_high']:.4g}" for r in b["inputs"][:3] if r["swing"]
         )
         print(
-            f"  band {m}: {b['central']:.4g} [{b['low']:.4g}, {b['high']:.4g}]; moved most by {top or 'nothing'}"
+            f"  band {m}: {b['central']:.4g} [{b['low']:.4g}, {b['high']:.4g}]; moved most by (the "
+            f"projection at the input's low..high end) {top or 'nothing'}"
         )
     if rec["assumed_inputs"]:
         print(f"  assumed inputs: {', '.join(rec['assumed_inputs'])}")

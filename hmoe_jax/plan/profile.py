@@ -186,10 +186,8 @@ class Profile:
         key the profile leaves out, with the default the simulator takes for it
         (ABSENT_DEFAULTS): "assumed: absent; default: ..."."""
         out = {f"{s}.{k}": v for s, kv in self.src.items() for k, v in kv.items() if v.startswith("assumed:")}
-        for dotted, default in ABSENT_DEFAULTS.items():
-            section, key = dotted.split(".")
-            if key not in self.values.get(section, {}):
-                out[dotted] = f"assumed: absent; default: {default}"
+        for dotted, default in self.absent().items():
+            out[dotted] = f"assumed: absent; default: {default}"
         return out
 
     def absent(self) -> dict[str, str]:
@@ -234,12 +232,19 @@ class Profile:
         return dataclasses.replace(self, values=values, src=src, ranges=ranges)
 
     def provenance(self) -> dict[str, dict[str, Any]]:
-        """dotted key -> {value, src}: what a record carries so a projection names its inputs."""
-        return {
-            f"{s}.{k}": {"value": self.values[s][k], "src": self.src[s][k]}
-            for s in self.values
-            for k in self.values[s]
-        }
+        """dotted key -> {value, src[, range, range_src]}: what a record carries so a
+        projection names its inputs; an absent optional key is {value: None, src: "assumed:
+        absent; default: ..."} (the default the simulator took)."""
+        out: dict[str, dict[str, Any]] = {}
+        for s in self.values:
+            for k in self.values[s]:
+                out[f"{s}.{k}"] = {"value": self.values[s][k], "src": self.src[s][k]}
+                if f"{s}.{k}" in self.ranges:
+                    lo, hi, why = self.ranges[f"{s}.{k}"]
+                    out[f"{s}.{k}"].update(range=[lo, hi], range_src=why)
+        for dotted, default in self.absent().items():
+            out[dotted] = {"value": None, "src": f"assumed: absent; default: {default}"}
+        return out
 
     def with_accelerators(self, n: int) -> Profile:
         """The same box using only its first n accelerators. A box whose accelerators are
