@@ -152,6 +152,10 @@ def test_reproduce_writes_bands_a_band_column_and_fits_false(tmp_path, monkeypat
     assert "fits" not in rows["e05_dslp_smallep"]["projected"].split(";")[1]
     lo = rec["headlines"]["decode_fp8_tok_per_s"]["low"]
     assert f"[{rp._fmt(lo)}, " in rows["e03_decode"]["band"] and path.stem in rows["e03_decode"]["record"]
+    assert "rerun" not in rows["e03_decode"]["band"]  # the record's value is the band's central
+    e03["summary"]["decode_fp8_tok_per_s"] += 1.0  # a record older than today's simulator
+    (results / "e03_decode_20261204T000000Z.json").write_text(json.dumps(e03))
+    assert "the record says" in rp.table_rows(results)[0]["band"]
     assert "band over assumed inputs" in rp.markdown(list(rows.values()))
     # the tornado figures, from the JSON only, when matplotlib is installed
     pytest.importorskip("matplotlib")

@@ -133,15 +133,22 @@ def fits_note(key: str, rec: dict[str, Any]) -> str:
     return " (fits: false)" if any(r.get("fits") is False for r in hit) else ""
 
 
-def band_cell(keys: tuple[str, ...], bands: dict[str, Any] | None) -> str:
-    """ "key central [low, high]" for each of `keys` the bands record has."""
+def band_cell(keys: tuple[str, ...], bands: dict[str, Any] | None, summary: dict[str, Any]) -> str:
+    """ "key central [low, high]" for each of `keys` the bands record has; a central value
+    that is not the experiment record's (a record older than the simulator the bands ran
+    on) says so."""
     heads = (bands or {}).get("headlines", {})
-    cells = [
-        f"{k} {_fmt(heads[k]['central'])} [{_fmt(heads[k]['low'])}, {_fmt(heads[k]['high'])}]"
-        + ("" if heads[k].get("fits", True) else " (fits: false)")
-        for k in keys
-        if k in heads
-    ]
+    cells = []
+    for k in keys:
+        if k not in heads:
+            continue
+        h = heads[k]
+        cell = f"{k} {_fmt(h['central'])} [{_fmt(h['low'])}, {_fmt(h['high'])}]"
+        cell += "" if h.get("fits", True) else " (fits: false)"
+        rec_v = summary.get(k)
+        if isinstance(rec_v, (int, float)) and abs(h["central"] - rec_v) > 1e-3 * abs(rec_v):
+            cell += f" (central is today's simulator; the record says {_fmt(rec_v)}: rerun it)"
+        cells.append(cell)
     return "; ".join(cells) or "-"
 
 
@@ -162,9 +169,9 @@ def table_rows(results: Path | None = None) -> list[dict[str, str]]:
                 "claim": rec.get("claim", ""),
                 "paper": _fmt(rec.get("paper_value")),
                 "projected": "; ".join(f"{k} {_fmt(s[k])}{fits_note(k, rec)}" for k in proj if k in s) or "-",
-                "band": band_cell(proj, bands),
+                "band": band_cell(proj, bands, s),
                 "measured": "; ".join(f"{k} {_fmt(s[k])}" for k in meas if k in s) or "-",
-                "record": path.stem + (f", {bands_path.stem}" if band_cell(proj, bands) != "-" else ""),
+                "record": path.stem + (f", {bands_path.stem}" if band_cell(proj, bands, s) != "-" else ""),
             }
         )
     return rows
