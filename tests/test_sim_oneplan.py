@@ -1,4 +1,4 @@
-"""One plan, one spec: the engine of every e03 / e04 validation row plans, through its own
+"""One plan, one spec: the engine of every e03 / e04 / e05 validation row plans, through its own
 Engine.plan, exactly the plan the simulator times for that row, op for op, on the rows'
 bench-twin shapes. The engine side is what experiments/common/simval.py does (its engine's
 SystemSpec is SystemSpec.from_profile of local.toml, with the emulated link's cap; its plan
@@ -11,10 +11,12 @@ the engine's config, system and device count, so it is called on an object holdi
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
 
+from hmoe_jax.config import named_model_config
 from hmoe_jax.engine.engine import Engine
 from hmoe_jax.io.bench_twin import bench_twin_config
 from hmoe_jax.plan.buckets import cache_len
@@ -64,6 +66,27 @@ def test_e04_prefill_rows_engine_plan_is_the_simulated_plan(quick, link):
             assert ours == sim, (
                 f"{schedule} T={n} link={link}: the engine's plan differs from the simulated one"
             )
+
+
+@pytest.mark.parametrize("schedule", ["dslp", "ep"])
+def test_e05_dslp_rows_engine_plan_is_the_simulated_plan(schedule):
+    # e05's measured shape: experiments.common.models.larger_moe_config(4) (tests do not
+    # import experiments), a 256-token prompt into a 512-token cache on two stand-ins
+    cfg = dataclasses.replace(
+        named_model_config("deepseek_v3_tiny"),
+        n_routed_experts=64,
+        n_group=4,
+        topk_group=2,
+        moe_intermediate_size=512,
+        hidden_size=512,
+        num_hidden_layers=4,
+        first_k_dense_replace=1,
+    )
+    eng = _engine(cfg, 512, SystemSpec.from_profile(_local().with_accelerators(2)))
+    eng.devices = 2
+    ours = eng.plan(schedule, 256, 0, all_logits=False, **plan_options(1, eng.max_len))
+    sim = request_plans(cfg, _local().with_accelerators(2), schedule, 256, max_len=512)[0]["plan"]
+    assert ours == sim
 
 
 def test_the_check_can_fail():
