@@ -46,6 +46,9 @@ def test_unknown_keys_are_errors_listing_the_valid_ones(capsys):
         capsys, "--schedule", "cpu", "--prompt-len", "8", "--set", "link.h2d_gbps=-1"
     )
     assert "no slp ring" in _err(capsys, "--schedule", "cpu", "--prompt-len", "8", "--ring-slots", "4")
+    assert "--decode-tokens" in _err(
+        capsys, "--schedule", "cpu", "--prompt-len", "8", "--decode-mode", "separate"
+    )
 
 
 def test_doubling_the_link_halves_a_transfer_bound_slp_prefill(capsys):

@@ -139,6 +139,8 @@ def simulate_record(args: argparse.Namespace, extra_set: tuple[str, str] | None 
             f"--ring-slots {args.ring_slots}: the slp schedule's staging ring size, >= 1 "
             f"(--schedule {args.schedule} has no slp ring)"
         )
+    if args.decode_mode is not None and not args.decode_tokens:
+        raise InputError(f"--decode-mode {args.decode_mode}: the decode steps' plan, give --decode-tokens N")
     cfg = named_model_config(args.model)
     base = load_profile(args.system)
     if args.sim_devices is not None:

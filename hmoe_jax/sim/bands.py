@@ -129,10 +129,8 @@ def band_inputs(profile: Profile) -> tuple[list[BandInput], dict[str, str]]:
             low, high = (over, {}) if not key.endswith("_s") else ({}, over)
             inputs.append(BandInput(key, "absent", None, low, high, f"{why}; default: {absent[key]}"))
     for key, src in profile.assumptions().items():
-        if "absent" not in src and key not in profile.ranges:
-            unvaried[key] = "no range stated in the profile" + (
-                " (set by hand)" if src.startswith("what-if") else ""
-            )
+        if not src.startswith("assumed: absent;") and key not in profile.ranges:
+            unvaried[key] = "no range stated in the profile"
     return inputs, unvaried
 
 
