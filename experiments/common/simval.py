@@ -106,6 +106,13 @@ def bench_engine(quick: bool, max_len: int, max_batch: int, link_gbps: float | N
     return cfg, make_engine(cfg, params, max_len, max_batch, link_gbps)
 
 
+def _median_or_none(xs: list[float | None]) -> float | None:
+    """The median of the probes that ran (ReadProbe.tflops is None on a CPU without
+    AVX-512-BF16: the compute probe is recorded, not used), None if none did."""
+    got = [x for x in xs if x is not None]
+    return statistics.median(got) if got else None
+
+
 def measure_decode(
     eng, batches: list[int], steps: int, prompt_len: int, probe: ReadProbe, seed: int = 1
 ) -> list[dict]:
@@ -166,7 +173,7 @@ def measure_decode(
                 "measured_step_s": statistics.median(times[(b, "serial")]),
                 "measured_step_s_async": statistics.median(times[(b, "async")]),
                 "probe_gbps": statistics.median(bws[b]),
-                "probe_tflops": statistics.median(pks[b]),
+                "probe_tflops": _median_or_none(pks[b]),
                 "steps": steps,
             }
         )
@@ -199,7 +206,7 @@ def measure_prefill(
                 "prompt_len": n,
                 "measured_prefill_s": statistics.median(ts),
                 "probe_gbps": statistics.median(bws),
-                "probe_tflops": statistics.median(pks),
+                "probe_tflops": _median_or_none(pks),
                 "reps": reps,
             }
         )
