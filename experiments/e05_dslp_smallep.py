@@ -27,7 +27,6 @@ Two parts:
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from experiments.common.record import emit_record, parse_args, print_ceiling
@@ -80,29 +79,27 @@ def measured_here(quick: bool) -> list[dict[str, Any]]:
     import numpy as np
 
     from experiments.common.models import larger_moe_config
-    from experiments.common.simval import local_profile
+    from experiments.common.simval import engine_prefill_options, local_profile, validation_system
     from hmoe_jax.engine.engine import Engine
-    from hmoe_jax.plan.system import SystemSpec
     from hmoe_jax.runtime.synthetic import random_params
     from hmoe_jax.sim.run import simulate_request
 
     cfg = larger_moe_config(4)
     params = random_params(cfg, seed=0)
-    eng = Engine(params, cfg, devices=2, system=SystemSpec(num_accelerators=2), max_batch=1, max_len=512)
+    # one plan, one spec: the engine plans on the local profile's two stand-ins, as simulated
+    eng = Engine(params, cfg, devices=2, system=validation_system(devices=2), max_batch=1, max_len=512)
+    opts = engine_prefill_options(eng)
     n, reps = 256, 2 if quick else 3
     ids = np.random.default_rng(3).integers(2, cfg.vocab_size, n).astype(np.int32)
-    prof = local_profile().with_accelerators(1)
-    prof2 = dataclasses.replace(
-        prof, values={**prof.values, "accelerator": {**prof.values["accelerator"], "count": 2}}
-    )
+    prof2 = local_profile().with_accelerators(2)
     rows = []
     for sched in ("dslp", "ep"):
         cache = eng.new_cache(512)
-        eng.prefill(ids, cache, schedule=sched)  # compile
+        eng.prefill(ids, cache, schedule=sched, **opts)  # compile
         ts = []
         for _ in range(reps):
             t = time.perf_counter()
-            eng.prefill(ids, cache, schedule=sched)
+            eng.prefill(ids, cache, schedule=sched, **opts)
             ts.append(time.perf_counter() - t)
         meas = float(np.median(ts))
         sim = simulate_request(cfg, prof2, sched, n, max_len=512)

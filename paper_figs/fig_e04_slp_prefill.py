@@ -17,7 +17,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from records import newest  # noqa: E402  (paper_figs/records.py)
+from records import mark_no_fit, newest  # noqa: E402  (paper_figs/records.py)
 
 
 def main() -> None:
@@ -34,6 +34,7 @@ def main() -> None:
         a.plot(
             [r["prompt_len"] for r in rows], [r["ttft_s"] for r in rows], style, label=f"{sched} (projected)"
         )
+        mark_no_fit(a, rows, "prompt_len", "ttft_s")
     a.axhline(30, color="grey", ls=":", label="30 s TTFT budget")
     a.plot([32768], [30], "r*", ms=12, label="paper: 32K within 30 s")
     a.set_xscale("log", base=2)

@@ -17,7 +17,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from records import newest  # noqa: E402  (paper_figs/records.py)
+from records import mark_no_fit, newest  # noqa: E402  (paper_figs/records.py)
 
 
 def main() -> None:
@@ -37,6 +37,7 @@ def main() -> None:
             style,
             label=f"{sched} (projected)",
         )
+        mark_no_fit(a, rows, "prompt_len", "prefill_tok_per_s")
         if sched == "dslp":
             a.plot(
                 [r["prompt_len"] for r in rows],

@@ -6,6 +6,15 @@ re-measured in the run is the host read rate (this VM's moves 2x within minutes)
 probe (hmoe_jax/measure/probes.ReadProbe) right before each timed engine call, and the profile re-based on the median of the
 probes of the rows it predicts (Profile.with_read_gbps). The kernels' efficiencies, rates
 and overheads stay as calibrated. No input is fitted to an engine time.
+
+One plan, one spec: the engine of a validation row plans on validation_system(), the
+SystemSpec of the same local profile (and emulated link) the simulator times it on, with
+the same plan options (sim.run.plan_options, through engine_prefill_options and
+engine_decode_plan), so the engine runs the plan the simulator times, op for op
+(tests/test_sim_oneplan.py checks it through Engine.plan on the rows' shapes). Before this,
+make_engine used SystemSpec() (the paper box's defaults; issue 27 read a 2-slot ring in the
+e04 slp rows of its records against local.toml's 32), prefills were planned for a cache of
+the prompt's length and decode steps at position 0.
 """
 
 from __future__ import annotations
@@ -35,6 +44,34 @@ def local_profile(
     return prof
 
 
+def validation_system(link_gbps: float | None = None, devices: int = 1):
+    """The SystemSpec the engine of a validation row plans with: local.toml's (with the
+    emulated link's cap when there is one), exactly what the simulator's build_plan derives
+    from the profile it times the row on (the read-probe re-basing changes no SystemSpec
+    field)."""
+    from hmoe_jax.plan.system import SystemSpec
+
+    return SystemSpec.from_profile(local_profile(link_gbps=link_gbps).with_accelerators(devices))
+
+
+def engine_prefill_options(eng) -> dict[str, Any]:
+    """The pool options of the engine's validation prefill plan: one row of the engine's
+    cache length (measure_prefill prefills into eng.new_cache(eng.max_len)), the options the
+    simulator's simulate_request(..., max_len=eng.max_len) plans with (sim.run.plan_options)."""
+    from hmoe_jax.sim.run import plan_options
+
+    return plan_options(1, eng.max_len)
+
+
+def engine_decode_plan(eng, batch: int, context: int):
+    """The decode plan the engine runs for a validation row of `batch` rows at `context`:
+    the cpu schedule's decode plan with the options the simulator's decode_step_plan(...,
+    max_len=eng.max_len) plans with (sim.run.plan_options)."""
+    from hmoe_jax.sim.run import plan_options
+
+    return eng.plan("cpu", 1, context, **plan_options(batch, eng.max_len, decode=True))
+
+
 def bench_params(quick: bool):
     """The real-shape bench twin of e22 (DeepSeek-V3 layer dims, 2 MoE layers) and its
     random FP8 params (16 experts and vocab 2,048 with --quick)."""
@@ -51,12 +88,11 @@ def bench_params(quick: bool):
 
 def make_engine(cfg, params, max_len: int, max_batch: int, link_gbps: float | None = None):
     from hmoe_jax.engine.engine import Engine
-    from hmoe_jax.plan.system import SystemSpec
 
     return Engine(
         params,
         cfg,
-        system=SystemSpec(),
+        system=validation_system(link_gbps),
         precision="bf16",
         expert_fn="auto",
         max_batch=max_batch,
@@ -68,6 +104,13 @@ def make_engine(cfg, params, max_len: int, max_batch: int, link_gbps: float | No
 def bench_engine(quick: bool, max_len: int, max_batch: int, link_gbps: float | None = None):
     cfg, params = bench_params(quick)
     return cfg, make_engine(cfg, params, max_len, max_batch, link_gbps)
+
+
+def _median_or_none(xs: list[float | None]) -> float | None:
+    """The median of the probes that ran (ReadProbe.tflops is None on a CPU without
+    AVX-512-BF16: the compute probe is recorded, not used), None if none did."""
+    got = [x for x in xs if x is not None]
+    return statistics.median(got) if got else None
 
 
 def measure_decode(
@@ -93,11 +136,19 @@ def measure_decode(
         for b in batches
     }
 
+    context = prompt_len + 2 + steps  # the position the simulated step is timed at
+    plans = {b: engine_decode_plan(eng, b, context) for b in batches}
+
     def step(seqs, mode: str) -> float:
+        # Engine.decode_rows with the validation plan (built above, as the engine builds its
+        # decode plan once per batch size): the plan the simulator times for this row
         t0 = time.perf_counter()
         toks, rows, pos = eng.step_inputs(seqs)
-        logits = eng.decode_rows(toks, rows, pos, eng.pool, mode=mode)
-        eng.take_step(seqs, logits, 0.0)
+        b = len(rows)
+        run, _ = eng.run_plan(
+            plans[b], np.asarray(toks, np.int32).reshape(b, 1), eng.pool, pos, rows=rows, mode=mode
+        )
+        eng.take_step(seqs, run.logits[-1][:, -1], 0.0)
         return time.perf_counter() - t0
 
     modes = ("serial", "async")
@@ -118,11 +169,11 @@ def measure_decode(
         rows.append(
             {
                 "batch": b,
-                "context": prompt_len + 2 + steps,
+                "context": context,
                 "measured_step_s": statistics.median(times[(b, "serial")]),
                 "measured_step_s_async": statistics.median(times[(b, "async")]),
                 "probe_gbps": statistics.median(bws[b]),
-                "probe_tflops": statistics.median(pks[b]),
+                "probe_tflops": _median_or_none(pks[b]),
                 "steps": steps,
             }
         )
@@ -140,13 +191,14 @@ def measure_prefill(
     for n in lengths:
         ids = rng.integers(2, eng.cfg.vocab_size, n).astype(np.int32)
         cache = eng.new_cache(eng.max_len)
-        eng.prefill(ids, cache, schedule=schedule)  # compile
+        opts = engine_prefill_options(eng)
+        eng.prefill(ids, cache, schedule=schedule, **opts)  # compile
         ts, bws, pks = [], [], []
         for _ in range(reps):
             bws.append(probe.gbps())
             pks.append(probe.tflops())
             t = time.perf_counter()
-            _, _, secs, _ = eng.prefill(ids, cache, schedule=schedule)
+            _, _, secs, _ = eng.prefill(ids, cache, schedule=schedule, **opts)
             ts.append(time.perf_counter() - t)
         rows.append(
             {
@@ -154,7 +206,7 @@ def measure_prefill(
                 "prompt_len": n,
                 "measured_prefill_s": statistics.median(ts),
                 "probe_gbps": statistics.median(bws),
-                "probe_tflops": statistics.median(pks),
+                "probe_tflops": _median_or_none(pks),
                 "reps": reps,
             }
         )

@@ -8,12 +8,20 @@ the table is built from the newest full-size results/<name>_*.json of each (else
 --quick one), i.e. from records only. Experiments are every experiments/eNN_<claim>.py.
 Projected values come from the simulator (sim/) on the paper machine's profile; measured
 values were measured on this machine by that run.
+
+Bands: after the experiments, the headline projections (decode FP8 / INT4, SLP at 20K and
+its 32K TTFT, DSLP at 32K: sim/headlines.py) are recomputed with their [low, high] band over
+the profile's assumed and carried-over inputs (sim/bands.py) and written as
+results/bands_<stamp>.json; paper_figs/fig_bands.py draws a tornado per headline from it and
+the table's band column reads it. A projected value whose plan does not fit the
+accelerator's memory is shown with "(fits: false)", read from the record's projection rows.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import time
@@ -48,7 +56,7 @@ KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("sim_error_decode", "sim_error_decode_async"),
     ),
     "e04_slp_prefill": (
-        ("slp_tok_per_s_20k", "slp_max_prompt_30s", "crossover_tokens", "slp_gain_at_4k"),
+        ("slp_tok_per_s_20k", "slp_ttft_s_32k", "slp_max_prompt_30s", "crossover_tokens", "slp_gain_at_4k"),
         ("sim_error_prefill",),
     ),
     "e05_dslp_smallep": (
@@ -100,8 +108,54 @@ def _measured_default(summary: dict[str, Any]) -> tuple[str, ...]:
     return tuple(k for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool))[:4]
 
 
+def fits_note(key: str, rec: dict[str, Any]) -> str:
+    """ " (fits: false)" when the record's projection row that summary `key` reads did not fit
+    the accelerator's memory (e04/e05: <schedule>_..._<N>k is that schedule at N x 1024
+    tokens; e03: decode_<format>_..._[<N>k] is batch 1 at 1K or N x 1024 context)."""
+    proj = [r for r in rec.get("rows", []) if str(r.get("part", "")).startswith("projection")]
+    size = re.search(r"_(\d+)k$", key)
+    if key.startswith("decode_"):
+        fmt = "int4" if key.startswith("decode_int4") else "fp8"
+        ctx = int(size.group(1)) * 1024 if size else 1024
+        hit = [
+            r
+            for r in proj
+            if r.get("context") == ctx
+            and r.get("batch") == 1
+            and r.get("expert_format") == fmt
+            and r.get("model", "deepseek_v3") == "deepseek_v3"
+        ]
+    elif size and key.split("_")[0] in ("cpu", "slp", "dslp", "ep"):
+        n = int(size.group(1)) * 1024
+        hit = [r for r in proj if r.get("schedule") == key.split("_")[0] and r.get("prompt_len") == n]
+    else:
+        return ""
+    return " (fits: false)" if any(r.get("fits") is False for r in hit) else ""
+
+
+def band_cell(keys: tuple[str, ...], bands: dict[str, Any] | None, summary: dict[str, Any]) -> str:
+    """ "key central [low, high]" for each of `keys` the bands record has; a central value
+    that is not the experiment record's (a record older than the simulator the bands ran
+    on) says so."""
+    heads = (bands or {}).get("headlines", {})
+    cells = []
+    for k in keys:
+        if k not in heads:
+            continue
+        h = heads[k]
+        cell = f"{k} {_fmt(h['central'])} [{_fmt(h['low'])}, {_fmt(h['high'])}]"
+        cell += "" if h.get("fits", True) else " (fits: false)"
+        rec_v = summary.get(k)
+        if isinstance(rec_v, (int, float)) and abs(h["central"] - rec_v) > 1e-3 * abs(rec_v):
+            cell += f" (central is today's simulator; the record says {_fmt(rec_v)}: rerun it)"
+        cells.append(cell)
+    return "; ".join(cells) or "-"
+
+
 def table_rows(results: Path | None = None) -> list[dict[str, str]]:
     rows = []
+    bands_path = newest("bands", results)
+    bands = json.loads(bands_path.read_text()) if bands_path is not None else None
     for name in experiment_names():
         path = newest(name, results)
         if path is None:
@@ -114,23 +168,52 @@ def table_rows(results: Path | None = None) -> list[dict[str, str]]:
                 "exp": name,
                 "claim": rec.get("claim", ""),
                 "paper": _fmt(rec.get("paper_value")),
-                "projected": "; ".join(f"{k} {_fmt(s[k])}" for k in proj if k in s) or "-",
+                "projected": "; ".join(f"{k} {_fmt(s[k])}{fits_note(k, rec)}" for k in proj if k in s) or "-",
+                "band": band_cell(proj, bands, s),
                 "measured": "; ".join(f"{k} {_fmt(s[k])}" for k in meas if k in s) or "-",
-                "record": path.stem,
+                "record": path.stem + (f", {bands_path.stem}" if band_cell(proj, bands, s) != "-" else ""),
             }
         )
     return rows
 
 
+COLUMNS = ("exp", "claim", "paper", "projected", "band", "measured", "record")
+
+
 def markdown(rows: list[dict[str, str]]) -> str:
     out = [
-        "| exp | claim | paper | projected (paper machine, simulator) | measured here | record |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| exp | claim | paper | projected (paper machine, simulator) | band over assumed inputs: "
+        "central [low, high] | measured here | record |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
-        cells = [r[k].replace("|", "/") for k in ("exp", "claim", "paper", "projected", "measured", "record")]
+        cells = [r.get(k, "-").replace("|", "/") for k in COLUMNS]
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
+
+
+def write_bands(results: Path, experiments: list[str], quick: bool) -> Path | None:
+    """results/bands_<stamp>.json: the headline bands (sim/headlines.py) of the headlines
+    whose experiment is in `experiments`; None when none is."""
+    from hmoe_jax.sim.headlines import HEADLINES, headline_bands
+
+    names = [h.name for h in HEADLINES if h.experiment in experiments]
+    if not names:
+        return None
+    t0 = time.perf_counter()
+    rec = headline_bands(names, progress=lambda m: print(f"[reproduce] {m}", flush=True))
+    rec.update(
+        experiment="bands",
+        claim="sensitivity of each headline projection to the profile's assumed and carried-over inputs",
+        config={"quick": quick, "seconds": round(time.perf_counter() - t0, 1)},
+        summary={
+            k: {x: h[x] for x in ("central", "low", "high", "fits")} for k, h in rec["headlines"].items()
+        },
+    )
+    results.mkdir(parents=True, exist_ok=True)
+    path = results / f"bands_{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
+    path.write_text(json.dumps(rec, indent=1, default=str) + "\n")
+    return path
 
 
 def write_readme(table: str) -> Path:
@@ -188,12 +271,19 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         rc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL).returncode
         status[name] = {"rc": rc, "s": round(time.perf_counter() - t0, 1)}
         print(f"[reproduce] {name}: rc {rc} in {status[name]['s']} s", flush=True)
-    for name in names:
+    if not args.table_only:
+        bands = write_bands(results, names, args.quick)
+        if bands is not None:
+            status["bands"] = str(bands)
+            print(f"[reproduce] bands written to {bands}", flush=True)
+    for name in [*names, "bands"]:
         fig = ROOT / "paper_figs" / f"fig_{name}.py"
         rec = newest(name, results)
         if fig.exists() and rec is not None:
             # figures of records elsewhere (--out-dir) go beside them, never over paper_figs/
             out = [] if results == ROOT / "results" else ["--out", str(results / f"{name}.png")]
+            if name == "bands":  # one tornado per headline: a directory, not one file
+                out = ["--out-dir", str(ROOT / "paper_figs" if results == ROOT / "results" else results)]
             cmd = [sys.executable, str(fig), str(rec), *out]
             rc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL).returncode
             if rc:

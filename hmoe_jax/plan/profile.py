@@ -20,6 +20,15 @@ naming it), "derived:" (arithmetic from other sourced numbers, shown), "paper:" 
 or "assumed:" (no source: a neutral choice, listed by Profile.assumptions() so a projection
 can say which inputs were not measured). No number may be chosen to make a headline come out.
 
+A value may carry a stated range, the span a band varies it over (sim/bands.py):
+
+    dram_efficiency = { value = 0.8, src = "assumed: ...", range = [0.65, 0.9], range_src = "assumed: range ..." }
+
+`range` needs `range_src` (what the span rests on, with a source kind like `src`), holds the
+value, and passes the key's own rule at both ends; Profile.ranges holds them. An optional
+key a profile leaves out takes the simulator's default (ABSENT_DEFAULTS says which), and
+Profile.assumptions() lists it, with that default, beside the "assumed:" values.
+
 Effective rates are peak x efficiency (both sourced): the simulator prices an op at
 bytes / effective bandwidth and flops / effective rate of the resource that runs it.
 Plain data (tomllib, no jax): it sits in plan/, below the schedules, the engine and the
@@ -123,6 +132,25 @@ SCHEMA: dict[str, dict[str, _R]] = {
 }
 _TOP = {"format", "name", "comment"}
 
+# What the simulator (sim/pricing.py, sim/run.py) takes for an optional key a profile leaves
+# out. Each is a choice, mostly the optimistic end, so Profile.assumptions() lists the
+# absent ones with these words and sim/bands.py varies them (its ABSENT_RANGES). A key whose
+# absence is not a default (int4: INT4 is then not projected; p2p_gbps: used only with
+# interconnect = "p2p", which requires it) is not listed here.
+ABSENT_DEFAULTS: dict[str, str] = {
+    "cpu.expert_compute_rows_per_expert": "one expert compute efficiency at every rows per expert",
+    "cpu.expert_compute_efficiency_small": "expert_compute_efficiency at every rows per expert (no small-M slowdown)",
+    "cpu.expert_compute_small_rows_per_expert": "one expert compute efficiency at every rows per expert",
+    "cpu.expert_bw_efficiency_batched": "expert_bw_efficiency at every batch size (no batched-decode slowdown)",
+    "cpu.expert_batched_rows_per_expert": "expert_bw_efficiency at every batch size",
+    "cpu.copy_gbps": "no copy-rate cap of its own: a staging copy is bound only by host DRAM (2 x bytes)",
+    "accelerator.attn_absorbed_tflops": "absorbed-form prefill attention at the GEMM rate (compute dtype x compute_efficiency)",
+    "accelerator.attn_expanded_tflops": "expanded-form prefill attention at the GEMM rate (compute dtype x compute_efficiency)",
+    "accelerator.weight_convert_gbps": "free FP8 dequantisation in experts_acc (no cost beyond the weight reads)",
+    "overheads.step_s": "0 s of host work per engine step outside its plan",
+}
+WHATIF_SRC = "what-if: --set"  # the source of a value a caller overrides (Profile.with_values)
+
 
 @dataclasses.dataclass(frozen=True)
 class Profile:
@@ -133,6 +161,8 @@ class Profile:
     src: dict[str, dict[str, str]]
     comment: str = ""
     path: str = ""
+    # dotted key -> (low, high, range_src): the stated span a band varies the value over
+    ranges: dict[str, tuple[float, float, str]] = dataclasses.field(default_factory=dict)
 
     def get(self, section: str, key: str, default: Any = None) -> Any:
         return self.values.get(section, {}).get(key, default)
@@ -152,18 +182,69 @@ class Profile:
         return int(self.values["cpu"]["numa_nodes"])
 
     def assumptions(self) -> dict[str, str]:
-        """Every value whose source is 'assumed:' (dotted key -> source)."""
+        """Every value whose source is 'assumed:' (dotted key -> source), and every optional
+        key the profile leaves out, with the default the simulator takes for it
+        (ABSENT_DEFAULTS): "assumed: absent; default: ..."."""
+        out = {f"{s}.{k}": v for s, kv in self.src.items() for k, v in kv.items() if v.startswith("assumed:")}
+        for dotted, default in self.absent().items():
+            out[dotted] = f"assumed: absent; default: {default}"
+        return out
+
+    def absent(self) -> dict[str, str]:
+        """The optional keys this profile leaves out -> the default each took (ABSENT_DEFAULTS)."""
         return {
-            f"{s}.{k}": v for s, kv in self.src.items() for k, v in kv.items() if v.startswith("assumed:")
+            d: why
+            for d, why in ABSENT_DEFAULTS.items()
+            if d.split(".")[1] not in self.values[d.split(".")[0]]
         }
 
+    def with_values(self, overrides: dict[str, Any], why: str = WHATIF_SRC) -> Profile:
+        """The same box with `overrides` (dotted key -> value; None removes an optional key,
+        so the simulator's default applies) checked by the key's own rule and sourced `why`.
+        An unknown section or key is a ConfigError listing the valid ones; a string value
+        is parsed as the key's type (what `hmoe simulate --set` passes)."""
+        values = {s: dict(kv) for s, kv in self.values.items()}
+        src = {s: dict(kv) for s, kv in self.src.items()}
+        ranges = dict(self.ranges)
+        for dotted, v in overrides.items():
+            section, key = split_key(dotted)
+            ranges.pop(f"{section}.{key}", None)  # a value set by hand is not varied around
+            want, required, rule = SCHEMA[section][key]
+            at = f"profile {self.name!r}: {dotted}"
+            if v is None:
+                if required:
+                    raise ConfigError(f"{at}: required, it cannot be removed")
+                values[section].pop(key, None)
+                src[section].pop(key, None)
+                continue
+            if isinstance(v, str) and want is not str:
+                try:
+                    v = want(float(v)) if want is float else int(v)
+                except ValueError:
+                    raise ConfigError(
+                        f"{at}: {v!r} is not a{'n int' if want is int else ' number'}"
+                    ) from None
+            values[section][key] = check_value(at, want, rule, v)
+            src[section][key] = why
+        link = values["link"]
+        if link["interconnect"] == "p2p" and "p2p_gbps" not in link:
+            raise ConfigError(f"profile {self.name!r}: link.interconnect = 'p2p' needs link.p2p_gbps")
+        return dataclasses.replace(self, values=values, src=src, ranges=ranges)
+
     def provenance(self) -> dict[str, dict[str, Any]]:
-        """dotted key -> {value, src}: what a record carries so a projection names its inputs."""
-        return {
-            f"{s}.{k}": {"value": self.values[s][k], "src": self.src[s][k]}
-            for s in self.values
-            for k in self.values[s]
-        }
+        """dotted key -> {value, src[, range, range_src]}: what a record carries so a
+        projection names its inputs; an absent optional key is {value: None, src: "assumed:
+        absent; default: ..."} (the default the simulator took)."""
+        out: dict[str, dict[str, Any]] = {}
+        for s in self.values:
+            for k in self.values[s]:
+                out[f"{s}.{k}"] = {"value": self.values[s][k], "src": self.src[s][k]}
+                if f"{s}.{k}" in self.ranges:
+                    lo, hi, why = self.ranges[f"{s}.{k}"]
+                    out[f"{s}.{k}"].update(range=[lo, hi], range_src=why)
+        for dotted, default in self.absent().items():
+            out[dotted] = {"value": None, "src": f"assumed: absent; default: {default}"}
+        return out
 
     def with_accelerators(self, n: int) -> Profile:
         """The same box using only its first n accelerators. A box whose accelerators are
@@ -237,6 +318,23 @@ class Profile:
         return dataclasses.replace(prof, values=values, src=src)
 
 
+def split_key(dotted: Any) -> tuple[str, str]:
+    """(section, key) of a dotted profile key, or a ConfigError listing the valid ones."""
+    section, _, key = str(dotted).partition(".")
+    if section not in SCHEMA:
+        raise ConfigError(f"unknown profile section {section!r} in {dotted!r}; sections: {sorted(SCHEMA)}")
+    if key not in SCHEMA[section]:
+        raise ConfigError(
+            f"unknown profile key {dotted!r}; [{section}] keys: {', '.join(sorted(SCHEMA[section]))}"
+        )
+    return section, key
+
+
+def valid_keys() -> list[str]:
+    """Every dotted key a profile may set."""
+    return [f"{s}.{k}" for s, keys in SCHEMA.items() for k in keys]
+
+
 def check_value(where: str, want: type, rule: Any, v: Any) -> Any:
     """v as type `want` if it passes `rule` (SCHEMA's rules), else a ConfigError naming `where`."""
     if want is str:
@@ -279,6 +377,7 @@ def profile_from_dict(d: dict[str, Any], where: str = "profile") -> Profile:
         raise ConfigError(f"{where}: key 'name' must be a non-empty string")
     values: dict[str, dict[str, Any]] = {}
     srcs: dict[str, dict[str, str]] = {}
+    ranges: dict[str, tuple[float, float, str]] = {}
     for section, keys in SCHEMA.items():
         got = d.get(section, {})
         if not isinstance(got, dict):
@@ -294,14 +393,34 @@ def profile_from_dict(d: dict[str, Any], where: str = "profile") -> Profile:
                     raise ConfigError(f"{at}: missing (every profile sets it, with its source)")
                 continue
             leaf = got[key]
-            if not isinstance(leaf, dict) or set(leaf) != {"value", "src"}:
-                raise ConfigError(f'{at}: must be {{ value = ..., src = "<kind>: ..." }}, got {leaf!r}')
+            if not isinstance(leaf, dict) or not (
+                set(leaf) == {"value", "src"} or set(leaf) == {"value", "src", "range", "range_src"}
+            ):
+                raise ConfigError(
+                    f'{at}: must be {{ value = ..., src = "<kind>: ..." }} (optionally with range = [lo, hi], '
+                    f'range_src = "<kind>: ..."), got {leaf!r}'
+                )
             values[section][key] = check_value(at, want, rule, leaf["value"])
             srcs[section][key] = _check_src(at, leaf["src"])
+            if "range" in leaf:
+                ranges[f"{section}.{key}"] = _check_range(at, want, rule, leaf, values[section][key])
     link = values["link"]
     if link["interconnect"] == "p2p" and "p2p_gbps" not in link:
         raise ConfigError(f"{where}: link.interconnect = 'p2p' needs link.p2p_gbps")
-    return Profile(name=name, values=values, src=srcs, comment=str(d.get("comment", "")), path=where)
+    return Profile(
+        name=name, values=values, src=srcs, comment=str(d.get("comment", "")), path=where, ranges=ranges
+    )
+
+
+def _check_range(where: str, want: type, rule: Any, leaf: dict, value: Any) -> tuple[float, float, str]:
+    """A leaf's stated range: two numbers of the key's rule around its value, with a source."""
+    r = leaf["range"]
+    if want is not float or not isinstance(r, list) or len(r) != 2:
+        raise ConfigError(f"{where}: range must be [low, high] on a number key, got {r!r}")
+    lo, hi = (check_value(f"{where} range", want, rule, x) for x in r)
+    if not lo <= value <= hi:
+        raise ConfigError(f"{where}: range [{lo}, {hi}] must hold the value {value}")
+    return lo, hi, _check_src(f"{where} range_src", leaf["range_src"])
 
 
 def profiles_dir() -> Path:

@@ -6,6 +6,10 @@ the SystemSpec the profile implies (SystemSpec.from_profile), so what is timed i
 engine would run on that box; sim/reads.py adds the bytes each compute op reads, and
 sim/pricing.py + sim/events.py time it. Nothing here imports jax.
 
+What-ifs (`hmoe simulate`'s flags, each labelled in the record): a ring size for the slp
+plan (`ring_slots`, the schedule's own override), the GEMM dtype the accelerator's GEMMs are
+priced at (`price_gemms_as`), and the decode plan's form and executor (DECODE_MODES).
+
 Binding resources are read off the critical path: walking back from the op that finished
 last, each op's predecessor is whichever held it up last (a dependency that ended last, or
 the op before it on its queue); the seconds of the path are attributed to the resource
@@ -28,6 +32,41 @@ from hmoe_jax.schedules.registry import get_schedule
 from hmoe_jax.sim.events import Simulator
 from hmoe_jax.sim.pricing import pricer
 from hmoe_jax.sim.reads import with_reads
+
+# --decode-mode: the cpu schedule's decode plan options and the executor mode the step is
+# timed with. "fused" is what the engine runs by default: attention + gating as one
+# attn_route op (with the shared expert inside it, fuse_shared_tokens) on the worker-thread
+# executor ("pipelined"; the engine's default async decode is modelled by it, e03 reports the
+# error against both). "separate": attn and route as two ops (CpuSchedule fused=False).
+# "*-serial": every op one at a time in plan order (the executor's "serial" mode, the
+# overlap-disabled baseline e03 measures beside async).
+DECODE_MODES: dict[str, tuple[dict[str, Any], str]] = {
+    "fused": ({"fused": True}, "pipelined"),
+    "separate": ({"fused": False}, "pipelined"),
+    "fused-serial": ({"fused": True}, "serial"),
+    "separate-serial": ({"fused": False}, "serial"),
+}
+GEMM_DTYPES = ("fp32", "bf16", "fp8")
+
+
+def price_gemms_as(plan: Plan, dtype: str) -> tuple[Plan, int]:
+    """(the plan with every accelerator GEMM priced at `dtype`, the fp8_flops it moved): its
+    meta gemm_dtype_whatif set to `dtype` (sim/pricing.py prices GEMMs at it instead of
+    compute_dtype, which still sets the cache's value bytes) and each op's fp8_flops (the part of its flops the plan
+    runs as FP8 GEMMs, sim/pricing.py) dropped, so those flops are priced at `dtype` too. The
+    ops, their order and the ring stay the plan the engine builds; prefill attention pieces
+    priced at a profile's measured attn_<form>_tflops keep that rate (a measured piece, not a
+    GEMM)."""
+    if dtype not in GEMM_DTYPES:
+        raise ValueError(f"gemm dtype {dtype!r}, expected one of {list(GEMM_DTYPES)}")
+    moved = sum(int(op.args.get("fp8_flops", 0)) for op in plan.ops)
+    ops = tuple(
+        dataclasses.replace(op, args={k: v for k, v in op.args.items() if k != "fp8_flops"})
+        if "fp8_flops" in op.args
+        else op
+        for op in plan.ops
+    )
+    return Plan(plan.schedule, plan.num_tokens, ops, {**plan.meta, "gemm_dtype_whatif": dtype}), moved
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +184,66 @@ def decode_positions(prompt_len: int, decode_tokens: int) -> list[tuple[int, int
     return [(ps[-1], len(ps)) for _, ps in sorted(groups.items())]
 
 
+def plan_options(batch: int, max_len: int, *, decode: bool = False, decode_mode: str = "fused") -> dict:
+    """The options the simulator plans a request's pieces with: its KV pool (batch rows of
+    max_len tokens, for the memory budget and the attention's cache slots) and, for a decode
+    step, its batch and the DECODE_MODES form. The engine of a validation row plans with the
+    same options (experiments/common/simval.py), so the engine runs the plan timed here."""
+    if decode_mode not in DECODE_MODES:
+        raise ValueError(f"decode mode {decode_mode!r}, expected one of {list(DECODE_MODES)}")
+    opts: dict[str, Any] = {"kv_rows": batch, "max_len": max_len}
+    if decode:
+        opts.update(batch=batch, **DECODE_MODES[decode_mode][0])
+    return opts
+
+
+def request_plans(
+    cfg: ModelConfig,
+    profile: Profile,
+    schedule: str,
+    prompt_len: int,
+    *,
+    decode_tokens: int = 0,
+    batch: int = 1,
+    max_len: int | None = None,
+    prefill_options: dict[str, Any] | None = None,
+    decode_mode: str = "fused",
+    gemm_dtype: str | None = None,
+) -> list[dict[str, Any]]:
+    """The plans a request runs, each {part: "prefill" | "decode", plan, no_fit (the budget's
+    message or None), steps (decode steps it stands for), mode (executor mode it is timed
+    with), fp8_flops_repriced}: the prefill by `schedule`, then one cpu decode plan per
+    cache bucket (decode_positions). simulate_request times them; sim/bands.py prices them
+    to see which inputs a projection reads."""
+    if prompt_len < 1 or batch < 1 or decode_tokens < 0:
+        raise ValueError(f"simulate: prompt_len={prompt_len}, batch={batch}, decode_tokens={decode_tokens}")
+    length = max_len or min(cfg.max_position_embeddings, prompt_len + max(decode_tokens, 1))
+    dec_opts = plan_options(batch, length, decode=True, decode_mode=decode_mode)
+    opts = {**plan_options(batch, length), **(prefill_options or {})}
+    out = [
+        _part("prefill", *build_plan(cfg, profile, schedule, prompt_len, **opts), 1, "pipelined", gemm_dtype)
+    ]
+    mode = DECODE_MODES[decode_mode][1]
+    for pos, n in decode_positions(prompt_len, decode_tokens) if decode_tokens else []:
+        built = build_plan(cfg, profile, "cpu", 1, start_pos=pos, **dec_opts)
+        out.append(_part("decode", *built, n, mode, gemm_dtype))
+    return out
+
+
+def _part(part: str, plan: Plan, no_fit: str | None, steps: int, mode: str, gemm_dtype: str | None) -> dict:
+    moved = 0
+    if gemm_dtype is not None:
+        plan, moved = price_gemms_as(plan, gemm_dtype)
+    return {
+        "part": part,
+        "plan": plan,
+        "no_fit": no_fit,
+        "steps": steps,
+        "mode": mode,
+        "fp8_flops_repriced": moved,
+    }
+
+
 def simulate_request(
     cfg: ModelConfig,
     profile: Profile,
@@ -156,16 +255,28 @@ def simulate_request(
     expert_format: str = "fp8",
     max_len: int | None = None,
     prefill_options: dict[str, Any] | None = None,
+    decode_mode: str = "fused",
+    gemm_dtype: str | None = None,
 ) -> dict[str, Any]:
     """A prompt of `prompt_len` tokens prefilled by `schedule`, then `decode_tokens` decode
     steps of `batch` rows (the engine's cpu decode plan, every row at the same position).
     TTFT is one prompt's prefill (the first token comes out of its final op); the decode
-    rate is per request (batch rows share each step)."""
-    if prompt_len < 1 or batch < 1 or decode_tokens < 0:
-        raise ValueError(f"simulate: prompt_len={prompt_len}, batch={batch}, decode_tokens={decode_tokens}")
-    length = max_len or min(cfg.max_position_embeddings, prompt_len + max(decode_tokens, 1))
-    opts = {"kv_rows": batch, "max_len": length, **(prefill_options or {})}
-    pre_plan, no_fit = build_plan(cfg, profile, schedule, prompt_len, **opts)
+    rate is per request (batch rows share each step). decode_mode / gemm_dtype /
+    prefill_options' ring_slots: what-ifs (request_plans, DECODE_MODES, price_gemms_as)."""
+    parts = request_plans(
+        cfg,
+        profile,
+        schedule,
+        prompt_len,
+        decode_tokens=decode_tokens,
+        batch=batch,
+        max_len=max_len,
+        prefill_options=prefill_options,
+        decode_mode=decode_mode,
+        gemm_dtype=gemm_dtype,
+    )
+    first = parts[0]
+    pre_plan, no_fit = first["plan"], first["no_fit"]
     pre = time_plan(pre_plan, cfg, profile, expert_format=expert_format)
     out: dict[str, Any] = {
         "schedule": pre_plan.schedule,
@@ -184,16 +295,19 @@ def simulate_request(
         "prefill": pre.summary(),
         "binding": {"prefill": pre.bound},
     }
+    out["compute_dtype"] = pre_plan.meta.get("compute_dtype")
+    if pre_plan.meta.get("ring_slots"):
+        out["ring_slots"] = pre_plan.meta["ring_slots"]
+    if gemm_dtype is not None:
+        out["gemm_dtype_whatif"] = gemm_dtype
+        out["fp8_flops_repriced"] = sum(d["fp8_flops_repriced"] for d in parts)
     if decode_tokens:
         steps_s, step_summary = 0.0, None
-        for pos, n in decode_positions(prompt_len, decode_tokens):
-            plan, no_fit_d = build_plan(
-                cfg, profile, "cpu", 1, start_pos=pos, batch=batch, kv_rows=batch, max_len=length
-            )
-            if no_fit_d:
-                out["fits"], out["memory_message"] = False, out["memory_message"] or no_fit_d
-            t = time_plan(plan, cfg, profile, expert_format=expert_format)
-            steps_s += n * t.total_s
+        for d in parts[1:]:
+            if d["no_fit"]:
+                out["fits"], out["memory_message"] = False, out["memory_message"] or d["no_fit"]
+            t = time_plan(d["plan"], cfg, profile, mode=d["mode"], expert_format=expert_format)
+            steps_s += d["steps"] * t.total_s
             step_summary = t.summary()
         step_s = steps_s / decode_tokens
         out.update(
@@ -208,6 +322,24 @@ def simulate_request(
     return out
 
 
+def decode_step_plan(
+    cfg: ModelConfig,
+    profile: Profile,
+    context: int,
+    *,
+    batch: int = 1,
+    max_len: int | None = None,
+    decode_mode: str = "fused",
+    gemm_dtype: str | None = None,
+) -> dict[str, Any]:
+    """The plan of one decode step of `batch` rows at position `context` (request_plans'
+    part dict): what simulate_decode_step times."""
+    length = max_len or min(cfg.max_position_embeddings, context + 64)
+    opts = plan_options(batch, length, decode=True, decode_mode=decode_mode)
+    built = build_plan(cfg, profile, "cpu", 1, start_pos=context, **opts)
+    return _part("decode", *built, 1, DECODE_MODES[decode_mode][1], gemm_dtype)
+
+
 def simulate_decode_step(
     cfg: ModelConfig,
     profile: Profile,
@@ -216,14 +348,15 @@ def simulate_decode_step(
     batch: int = 1,
     expert_format: str = "fp8",
     max_len: int | None = None,
+    decode_mode: str = "fused",
+    gemm_dtype: str | None = None,
 ) -> dict[str, Any]:
     """One decode step of `batch` rows at position `context` (the engine's cpu decode plan):
     step seconds, per-request and aggregate tok/s, what bound it, whether the KV pool fits."""
-    length = max_len or min(cfg.max_position_embeddings, context + 64)
-    plan, no_fit = build_plan(
-        cfg, profile, "cpu", 1, start_pos=context, batch=batch, kv_rows=batch, max_len=length
+    d = decode_step_plan(
+        cfg, profile, context, batch=batch, max_len=max_len, decode_mode=decode_mode, gemm_dtype=gemm_dtype
     )
-    t = time_plan(plan, cfg, profile, expert_format=expert_format)
+    t = time_plan(d["plan"], cfg, profile, mode=d["mode"], expert_format=expert_format)
     return {
         "context": context,
         "batch": batch,
@@ -231,7 +364,7 @@ def simulate_decode_step(
         "step_s": t.total_s,
         "decode_tok_per_s": 1.0 / t.total_s,
         "decode_agg_tok_per_s": batch / t.total_s,
-        "fits": no_fit is None,
-        "memory_message": no_fit,
+        "fits": d["no_fit"] is None,
+        "memory_message": d["no_fit"],
         **{k: v for k, v in t.summary().items() if k in ("bound", "binding_share")},
     }

@@ -1,0 +1,164 @@
+"""Sensitivity bands (sim/bands.py, sim/headlines.py) and the profile's stated ranges
+(plan/profile.py): a band holds its central value, widens when a range widens, its
+one-at-a-time ends are the projection re-run by hand with that input moved, inputs the plans
+never price are "no effect", and `hmoe reproduce` writes the band record, a band column and
+fits: false. Decode headlines only (a DeepSeek-V3 decode step simulates in well under a
+second; the prefill headlines take minutes: `hmoe reproduce` runs them)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hmoe_jax.config import ConfigError, named_model_config
+from hmoe_jax.plan.profile import ABSENT_DEFAULTS, SCHEMA, load_profile, profile_from_dict
+from hmoe_jax.sim.bands import ABSENT_RANGES, band, band_inputs
+from hmoe_jax.sim.headlines import BY_NAME, decode_kernel, headline_band
+from hmoe_jax.sim.run import decode_step_plan, simulate_decode_step
+
+PAPER = "paper_epyc9355_rtx5090"
+
+
+def _decode_band(prof):
+    cfg = named_model_config("deepseek_v3")
+    return band(
+        lambda p: simulate_decode_step(cfg, p, 1024),
+        prof,
+        ["decode_tok_per_s"],
+        plans=lambda p: [decode_step_plan(cfg, p, 1024)["plan"]],
+        cfg=cfg,
+    )["decode_tok_per_s"]
+
+
+def test_band_holds_central_and_its_ends_are_hand_reruns():
+    prof = load_profile(PAPER).with_accelerators(1)
+    b = _decode_band(prof)
+    assert b["low"] < b["central"] < b["high"]
+    assert b["corners"]["all_low"]["value"] == b["low"] and b["corners"]["all_high"]["value"] == b["high"]
+    cfg = named_model_config("deepseek_v3")
+    by = {r["key"]: r for r in b["inputs"]}
+    # one-at-a-time: dram_efficiency at its stated low end, re-run by hand
+    lo = prof.ranges["cpu.dram_efficiency"][0]
+    hand = simulate_decode_step(cfg, prof.with_values({"cpu.dram_efficiency": lo}), 1024)["decode_tok_per_s"]
+    assert by["cpu.dram_efficiency"]["at_low"] == pytest.approx(hand)
+    assert by["cpu.dram_efficiency"]["at_low"] < b["central"]  # less read bandwidth, slower decode
+    # a one-GPU decode step has no collective, stage or load op: those inputs cannot move it
+    for key in ("overheads.collective_s", "overheads.stage_s", "overheads.load_s"):
+        assert not by[key]["effect"] and by[key]["swing"] == 0
+    # the tornado's order: widest swing first
+    swings = [r["swing"] for r in b["inputs"]]
+    assert swings == sorted(swings, reverse=True)
+
+
+def test_band_widens_when_a_range_widens():
+    prof = load_profile(PAPER).with_accelerators(1)
+    narrow = dataclasses.replace(prof, ranges={"cpu.dram_efficiency": (0.75, 0.85, "assumed: narrow")})
+    wide = dataclasses.replace(prof, ranges={"cpu.dram_efficiency": (0.6, 0.95, "assumed: wide")})
+    bn, bw = _decode_band(narrow), _decode_band(wide)
+    assert bn["central"] == bw["central"]
+    assert bw["low"] < bn["low"] <= bn["central"] <= bn["high"] < bw["high"]
+
+
+def test_absent_defaults_cover_every_optional_key_and_are_varied():
+    not_defaults = {"cpu.int4_expert_bw_efficiency", "link.p2p_gbps"}  # absent = not projected / unused
+    optional = {f"{s}.{k}" for s, keys in SCHEMA.items() for k, (_, req, _) in keys.items() if not req}
+    assert optional - not_defaults == set(ABSENT_DEFAULTS)
+    assert set(ABSENT_RANGES) <= set(ABSENT_DEFAULTS)
+    prof = load_profile(PAPER)
+    inputs, unvaried = band_inputs(prof)
+    kinds = {i.key: i.kind for i in inputs}
+    assert kinds["accelerator.attn_expanded_tflops"] == "absent"
+    assert kinds["cpu.expert_bw_efficiency"] == "measured"  # carried over from the dev VM
+    assert unvaried == {}  # every assumed value of the paper profile states a range
+    local = load_profile("local")  # calibrated here: nothing assumed, nothing absent but p2p
+    assert band_inputs(local) == ([], {}) and local.assumptions() == {}
+
+
+def test_profile_ranges_are_checked():
+    raw = {
+        "format": "hmoe-sim-profile/1",
+        "name": "t",
+        **{
+            s: {
+                k: {"value": v, "src": "spec: t"}
+                for k, v in load_profile(PAPER).values[s].items()
+                if s != "accelerator" or k != "count"
+            }
+            for s in SCHEMA
+        },
+    }
+    raw["accelerator"]["count"] = {"value": 1, "src": "spec: t"}
+    ok = profile_from_dict(json.loads(json.dumps(raw)))
+    assert ok.ranges == {}
+    leaf = raw["cpu"]["dram_efficiency"]
+    leaf.update(range=[0.7, 0.9], range_src="assumed: t")
+    assert profile_from_dict(raw).ranges["cpu.dram_efficiency"] == (0.7, 0.9, "assumed: t")
+    for bad, msg in (
+        ({"range": [0.85, 0.9], "range_src": "assumed: t"}, "must hold the value"),
+        ({"range": [0.7, 1.2], "range_src": "assumed: t"}, "fraction"),
+        ({"range": [0.7, 0.9], "range_src": "t"}, "src"),
+    ):
+        raw["cpu"]["dram_efficiency"] = {"value": 0.8, "src": "assumed: t", **bad}
+        with pytest.raises(ConfigError, match=msg):
+            profile_from_dict(raw)
+    raw["cpu"]["dram_efficiency"] = {"value": 0.8, "src": "assumed: t", "range": [0.7, 0.9]}
+    with pytest.raises(ConfigError, match="range_src"):
+        profile_from_dict(raw)
+
+
+def test_decode_headline_states_the_kernel_efficiency_it_carries():
+    h = headline_band(BY_NAME["decode_fp8_tok_per_s"])
+    dk = h["decode_kernel"]
+    assert dk["key"] == "cpu.expert_bw_efficiency" and dk["value"] == 0.93
+    assert dk["range"] == [0.771, 0.93] and "highest" in dk["why"]
+    by = {r["key"]: r for r in h["inputs"]}
+    # the lowest measured efficiency (the latest calibration) gives a slower decode
+    assert by["cpu.expert_bw_efficiency"]["at_low"] < h["central"]
+    assert decode_kernel(load_profile(PAPER), "int4")["key"] == "cpu.int4_expert_bw_efficiency"
+
+
+def test_reproduce_writes_bands_a_band_column_and_fits_false(tmp_path, monkeypatch):
+    from hmoe_jax.cli import reproduce as rp
+
+    results = tmp_path / "results"
+    path = rp.write_bands(results, ["e03_decode"], quick=True)
+    rec = json.loads(path.read_text())
+    assert set(rec["headlines"]) == {"decode_fp8_tok_per_s", "decode_int4_tok_per_s"}
+    for h in rec["headlines"].values():
+        assert h["low"] <= h["central"] <= h["high"] and h["inputs"] and h["method"]
+    e03 = {
+        "claim": "c",
+        "summary": {"decode_fp8_tok_per_s": rec["headlines"]["decode_fp8_tok_per_s"]["central"]},
+    }
+    (results / "e03_decode_20261204T000000Z.json").write_text(json.dumps(e03))
+    e05 = {
+        "claim": "d",
+        "summary": {"dslp_tok_per_s_32k": 346.3, "dslp_max_prompt_30s": 16384},
+        "rows": [
+            {"part": "projection", "schedule": "dslp", "prompt_len": 32768, "fits": False},
+            {"part": "projection", "schedule": "dslp", "prompt_len": 16384, "fits": True},
+        ],
+    }
+    (results / "e05_dslp_smallep_20261204T000000Z.json").write_text(json.dumps(e05))
+    monkeypatch.setattr(rp, "experiment_names", lambda: ["e03_decode", "e05_dslp_smallep"])
+    rows = {r["exp"]: r for r in rp.table_rows(results)}
+    assert "dslp_tok_per_s_32k 346 (fits: false)" in rows["e05_dslp_smallep"]["projected"]
+    assert "dslp_max_prompt_30s 16384" in rows["e05_dslp_smallep"]["projected"]
+    assert "fits" not in rows["e05_dslp_smallep"]["projected"].split(";")[1]
+    lo = rec["headlines"]["decode_fp8_tok_per_s"]["low"]
+    assert f"[{rp._fmt(lo)}, " in rows["e03_decode"]["band"] and path.stem in rows["e03_decode"]["record"]
+    assert "rerun" not in rows["e03_decode"]["band"]  # the record's value is the band's central
+    e03["summary"]["decode_fp8_tok_per_s"] += 1.0  # a record older than today's simulator
+    (results / "e03_decode_20261204T000000Z.json").write_text(json.dumps(e03))
+    assert "the record says" in rp.table_rows(results)[0]["band"]
+    assert "band over assumed inputs" in rp.markdown(list(rows.values()))
+    # the tornado figures, from the JSON only, when matplotlib is installed
+    pytest.importorskip("matplotlib")
+    fig = Path(__file__).resolve().parents[1] / "paper_figs" / "fig_bands.py"
+    subprocess.run([sys.executable, str(fig), str(path), "--out-dir", str(tmp_path)], check=True)
+    assert (tmp_path / "tornado_decode_fp8_tok_per_s.png").stat().st_size > 0
