@@ -53,3 +53,42 @@ def test_no_amx_path_can_be_requested():
         moe_experts_with_stats(
             x, np.zeros((1, 1), np.int32), np.ones((1, 1), np.float32), None, max_isa="amx"
         )
+
+
+def test_growing_batches_after_a_single_row_run_on_any_cpu(tmp_path):
+    """The MoE op at M=1, then 2, 3 and 8 rows, in a fresh process: growing its packed
+    buffers once called a std::vector member compiled with AVX-512 flags (a weak symbol
+    from gemm_avx512.cc that the linker kept for the whole extension) and died with SIGILL
+    on an AVX2-only CPU (xla_ffi/src/isa_scratch.h). A subprocess, so a crash is a failure
+    here, not the end of the test run; the rows must also equal the op's single-row result."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "grow.py"
+    script.write_text(
+        "import numpy as np, jax, jax.numpy as jnp\n"
+        "from hmoe_jax.config import named_model_config\n"
+        "from hmoe_jax.runtime.synthetic import random_params\n"
+        "from hmoe_jax.kernels.moe import moe_experts\n"
+        "cfg = named_model_config('deepseek_v3_tiny')\n"
+        "ex = random_params(cfg, seed=5).layers[-1].ffn.experts\n"
+        "rng = np.random.default_rng(0)\n"
+        "x8 = rng.standard_normal((8, cfg.hidden_size)).astype(np.float32)\n"
+        "ids8 = rng.integers(0, cfg.n_routed_experts, (8, cfg.num_experts_per_tok)).astype(np.int32)\n"
+        "f = jax.jit(moe_experts)\n"
+        "one = [np.asarray(f(jnp.asarray(x8[i:i+1]), jnp.asarray(ids8[i:i+1]), jnp.ones((1, ids8.shape[1]), jnp.float32), ex)) for i in range(8)]\n"
+        "for m in (1, 2, 3, 8):\n"
+        "    y = np.asarray(f(jnp.asarray(x8[:m]), jnp.asarray(ids8[:m]), jnp.ones((m, ids8.shape[1]), jnp.float32), ex))\n"
+        "    np.testing.assert_allclose(y, np.concatenate(one[:m]), rtol=1e-5, atol=1e-6)\n"
+        "print('ok')\n"
+    )
+    import os
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run(
+        [sys.executable, str(script)], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (
+        f"exit {r.returncode} (-4 is SIGILL: ISA code on a portable path)\n{r.stderr[-2000:]}"
+    )

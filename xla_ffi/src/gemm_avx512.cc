@@ -23,10 +23,10 @@
 
 #include <algorithm>
 #include <cstring>
-#include <vector>
 
 #include "gemm_kernels.h"
 #include "gemm_avx512_inl.h"
+#include "isa_scratch.h"
 
 namespace hmoe {
 namespace {
@@ -215,9 +215,8 @@ void fp8_panel_rows(const uint16_t* xp, int64_t m, const Fp8Matrix& w, int64_t n
   const Fp8Tables& t = fp8_tables();
   const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
   const int64_t ks = packed_x_stride(w.k);
-  thread_local PackedX buf;
-  if (static_cast<int64_t>(buf.size()) < kPanelRows * ks) buf.resize(kPanelRows * ks);
-  uint16_t* panel = buf.data();
+  thread_local IsaScratch<uint16_t> buf;  // not PackedX: see isa_scratch.h
+  uint16_t* panel = buf.reserve(kPanelRows * ks);
   for (int64_t r = n0; r < n1; r += kPanelRows) {
     const int64_t rr = std::min<int64_t>(kPanelRows, n1 - r);
     for (int64_t j = 0; j < rr; ++j) {  // decode the panel: [rr, ks] bf16, pack_x's order
@@ -374,18 +373,18 @@ void int4_tile(const uint16_t* xp, int64_t ks, const float* xs, const Int4Matrix
 // activation rows: xs[(i * nxs + b) * 16 + lane] = -136 * the sum of the packed x
 // elements that lane of block b's accumulator multiplies (f32), nxs = blocks incl. a tail.
 const float* int4_block_sums(const uint16_t* xp, int64_t m, const Int4Matrix& w) {
-  thread_local std::vector<float> xs;  // [m, nxs, 16]
+  thread_local IsaScratch<float> scratch;  // [m, nxs, 16]; not std::vector: see isa_scratch.h
   const int64_t nxs = int4_sum_blocks(w.k), ks = packed_x_stride(w.k);
-  if (static_cast<int64_t>(xs.size()) < m * nxs * 16) xs.resize(m * nxs * 16);
+  float* xs = scratch.reserve(m * nxs * 16);
   const __m512i ones = _mm512_set1_epi16(0x3F80);  // bf16 1.0
   for (int64_t i = 0; i < m; ++i)
     for (int64_t b = 0; b < nxs; ++b) {
       __m512 a = _mm512_setzero_ps();
       const int64_t c1 = std::min<int64_t>(w.k, 128 * (b + 1));
       for (int64_t c = 128 * b; c < c1; c += 32) a = dp(a, _mm512_loadu_si512(xp + i * ks + c), ones);
-      _mm512_storeu_ps(xs.data() + (i * nxs + b) * 16, _mm512_mul_ps(a, _mm512_set1_ps(-136.0f)));
+      _mm512_storeu_ps(xs + (i * nxs + b) * 16, _mm512_mul_ps(a, _mm512_set1_ps(-136.0f)));
     }
-  return xs.data();
+  return xs;
 }
 
 template <int R>
