@@ -262,10 +262,15 @@ def test_time_is_priced_at_the_dtype_that_runs():
     sys1 = load_system(PAPER, 1)
     t = 32768
     p = get_schedule("slp").plan(V3, sys1, t)
-    assert p.meta["compute_dtype"] == "bf16"  # FP8 weights dequantised to bf16: bf16 GEMMs
-    attn = next(op.flops for op in p.ops if op.kind == "attn")
+    # bf16 activation dots; FP8 weights through the FP8 GEMMs (args.fp8_flops, fp8 rate)
+    assert p.meta["compute_dtype"] == "bf16" and p.meta["fp8_gemms"]
+    attn_op = next(op for op in p.ops if op.kind == "attn")
+    attn = attn_op.flops
     assert attn == costs.attn_flops(V3, t, cache_len=t)  # expanded, 1024 x 512 blocks
     k = V3.num_experts_per_tok
-    layer = attn + costs.router_flops(V3, t) + costs.shared_flops(V3, t) + costs.expert_flops(V3, t * k)
-    # the overlap estimate at the effective rate: peak x the profile's compute_efficiency
-    assert p.meta["est_layer_compute_s"] == pytest.approx(layer / (209e12 * 0.7))
+    routed = costs.shared_flops(V3, t) + costs.expert_flops(V3, t * k)
+    layer = attn + costs.router_flops(V3, t) + routed
+    fp8 = attn_op.args["fp8_flops"] + routed
+    # the overlap estimate at the effective rates: peak x the profile's compute_efficiency
+    want = (layer - fp8) / (209e12 * 0.7) + fp8 / (419e12 * 0.7)
+    assert p.meta["est_layer_compute_s"] == pytest.approx(want)
