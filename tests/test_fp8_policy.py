@@ -17,7 +17,6 @@ bf16 once, 2^-8 relative; f32 accumulation adds <= K 2^-24 sum |x||w|):
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -31,30 +30,9 @@ from hmoe_jax.model.precision import BF16, policy
 from hmoe_jax.quant.fp8 import Fp8Tensor, dequantize_np, quantize_np
 from hmoe_jax.runtime import pieces
 from hmoe_jax.runtime.synthetic import random_params
+from tests.helpers import gpu_policy
 
 U8, SUB8, UB = 2.0**-4, 2.0**-10, 2.0**-8  # e4m3 normal / subnormal rounding, bf16 rounding
-
-
-def gpu_policy(form: str = "interpret"):
-    """The bf16 policy engine.precision_for builds on a GPU, with the kernels in Pallas
-    interpret mode ("interpret") or their jittable `_ref` twins ("ref": the same activation
-    quantisation, f32 dots of the dequantised operands; fast on CPU)."""
-    if form == "ref":
-        return policy(
-            "bf16",
-            cpu=False,
-            accel_fp8_matmul=F.fp8_linear_ref,
-            accel_fp8_grouped_matmul=F.fp8_grouped_linear_ref,
-            accel_fp8_head_matmul=F.fp8_head_linear_ref,
-        )
-    p = functools.partial
-    return policy(
-        "bf16",
-        cpu=False,
-        accel_fp8_matmul=p(F.fp8_linear, interpret=True),
-        accel_fp8_grouped_matmul=p(F.fp8_grouped_linear, interpret=True),
-        accel_fp8_head_matmul=p(F.fp8_head_linear, interpret=True),
-    )
 
 
 def _weight(rng, shape):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from hmoe_jax.io.default_model import assets_dir, trained_checkpoint
-from tests.test_fp8_policy import gpu_policy
+from tests.helpers import gpu_policy
 
 GAP_TARGET = 0.005
 
