@@ -195,3 +195,28 @@ def client(server: Server):
 
 
 GOOD = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 2, "temperature": 0}
+
+
+def gpu_policy(form: str = "interpret"):
+    """The bf16 policy engine.precision_for builds on a GPU, with the kernels in Pallas
+    interpret mode ("interpret") or their jittable `_ref` twins ("ref": the same activation
+    quantisation, f32 dots of the dequantised operands; fast on CPU)."""
+    from hmoe_jax.kernels import fp8_gemm as F
+    from hmoe_jax.model.precision import policy
+
+    if form == "ref":
+        return policy(
+            "bf16",
+            cpu=False,
+            accel_fp8_matmul=F.fp8_linear_ref,
+            accel_fp8_grouped_matmul=F.fp8_grouped_linear_ref,
+            accel_fp8_head_matmul=F.fp8_head_linear_ref,
+        )
+    p = functools.partial
+    return policy(
+        "bf16",
+        cpu=False,
+        accel_fp8_matmul=p(F.fp8_linear, interpret=True),
+        accel_fp8_grouped_matmul=p(F.fp8_grouped_linear, interpret=True),
+        accel_fp8_head_matmul=p(F.fp8_head_linear, interpret=True),
+    )

@@ -56,7 +56,11 @@ def test_slp_32k_fits_one_rtx5090_with_measured_temporaries(capsys):
     )
     assert rc == 0 and rec["fits"] is True and rec["temp_measured"] is True
     assert rec["acc_peak_bytes"] <= rec["usable_bytes"] and rec["ring_slots"] >= 2
-    assert 19 * GIB < rec["resident_bytes"] < 21 * GIB  # FP8 non-expert weights + absorbed bf16
+    # FP8 non-expert weights + the absorbed halves of kv_b as FP8 per-head tensors (18.93 GiB)
+    assert 18.5 * GIB < rec["resident_bytes"] < 19.5 * GIB
+    # per layer: w_uk + w_uv e4m3, 128 heads x 256 x 512, plus one f32 scale per 128 x 128 block
+    absorbed = 128 * 256 * 512 + 4 * 128 * 2 * 4
+    assert rec["resident_bytes"] == memory.resident_bytes(V3, "f32") + 61 * absorbed
     assert rec["cache_bytes"] == memory.cache_bytes(V3, 1, rec["max_len"])
     assert rec["bound"] == "compute-bound" and rec["est_prefill_s"] > 0
     assert set(rec["pieces"]) >= {"attention", "experts_group", "final"}
@@ -94,7 +98,7 @@ def test_dslp_32k_fits_two_rtx5090_with_measured_temporaries(capsys):
     )
     assert rc == 0 and rec["fits"] is True and rec["devices"] == 2 and rec["temp_measured"] is True
     assert rec["rank"] == 0 and "rank 0 of 2 fits" in rec["message"]
-    assert 19 * GIB < rec["resident_bytes"] < 21 * GIB
+    assert 18.5 * GIB < rec["resident_bytes"] < 19.5 * GIB  # as slp: absorbed kv_b halves FP8
     experts = V3.n_routed_experts // 2 * costs.expert_bytes(V3)
     assert rec["ring_bytes"] == experts  # one layer of experts, no streamed replica
     assert rec["est_prefill_s"] > 0 and set(rec["pieces"]) == {"attention", "moe", "dense_ffn", "final"}
@@ -262,10 +266,15 @@ def test_time_is_priced_at_the_dtype_that_runs():
     sys1 = load_system(PAPER, 1)
     t = 32768
     p = get_schedule("slp").plan(V3, sys1, t)
-    assert p.meta["compute_dtype"] == "bf16"  # FP8 weights dequantised to bf16: bf16 GEMMs
-    attn = next(op.flops for op in p.ops if op.kind == "attn")
+    # bf16 activation dots; FP8 weights through the FP8 GEMMs (args.fp8_flops, fp8 rate)
+    assert p.meta["compute_dtype"] == "bf16" and p.meta["fp8_gemms"]
+    attn_op = next(op for op in p.ops if op.kind == "attn")
+    attn = attn_op.flops
     assert attn == costs.attn_flops(V3, t, cache_len=t)  # expanded, 1024 x 512 blocks
     k = V3.num_experts_per_tok
-    layer = attn + costs.router_flops(V3, t) + costs.shared_flops(V3, t) + costs.expert_flops(V3, t * k)
-    # the overlap estimate at the effective rate: peak x the profile's compute_efficiency
-    assert p.meta["est_layer_compute_s"] == pytest.approx(layer / (209e12 * 0.7))
+    routed = costs.shared_flops(V3, t) + costs.expert_flops(V3, t * k)
+    layer = attn + costs.router_flops(V3, t) + routed
+    fp8 = attn_op.args["fp8_flops"] + routed
+    # the overlap estimate at the effective rates: peak x the profile's compute_efficiency
+    want = (layer - fp8) / (209e12 * 0.7) + fp8 / (419e12 * 0.7)
+    assert p.meta["est_layer_compute_s"] == pytest.approx(want)

@@ -99,12 +99,61 @@ def attn_flops(
     walk "traced" (the CPU path): block i visits ceil((start + (i+1) bq) / bk) key blocks
     and re-expands each one. Absorbed form (either walk): per query W_uk and W_uv
     (H dn R each), per pair H (R + dr) + H R."""
+    parts = _attn_parts(cfg, tokens, start_pos, rows, form, q_block, k_block, cache_len, walk)
+    return sum(parts.values())
+
+
+def attn_fp8_flops(
+    cfg: ModelConfig,
+    tokens: int,
+    start_pos: int = 0,
+    *,
+    rows: int = 1,
+    form: str = "auto",
+    q_block: int = 1024,
+    k_block: int = 512,
+    cache_len: int | None = None,
+    walk: str = "static",
+) -> int:
+    """The part of attn_flops (same arguments) that runs as FP8 GEMMs when FP8 weights run
+    through the GPU's kernels (fp8_gemms): the projections whose weights the kernels' 128
+    tiling covers (q_a, q_b or q, o_proj; not kv_a_proj_with_mqa, N = R + dr = 576, which
+    kernels/fp8_gemm.fp8_linear dequantises to bf16), kv_b in the expanded form, and the
+    absorbed form's per-head W_uk / W_uv. Scores and P.V (activation x activation) stay
+    bf16."""
+    parts = _attn_parts(cfg, tokens, start_pos, rows, form, q_block, k_block, cache_len, walk)
+    h, r = cfg.num_attention_heads, cfg.kv_lora_rank
+    dn, dv = cfg.qk_nope_head_dim, cfg.v_head_dim
+    out = parts["q_o"] if _q_o_tiled(cfg) else 0
+    out += parts["kv_a"] if fp8_tiled(cfg.cache_dim, cfg.hidden_size) else 0
+    out += parts["kv_b"] if fp8_tiled(h * (dn + dv), r) else 0
+    out += parts["absorb"] if fp8_tiled(r, dn) and fp8_tiled(dv, r) else 0
+    return out
+
+
+def _q_o_tiled(cfg: ModelConfig) -> bool:
+    d, h = cfg.hidden_size, cfg.num_attention_heads
+    qk, v = cfg.qk_head_dim, cfg.v_head_dim
+    if cfg.q_lora_rank is None:
+        q = fp8_tiled(h * qk, d)
+    else:
+        q = fp8_tiled(cfg.q_lora_rank, d) and fp8_tiled(h * qk, cfg.q_lora_rank)
+    return q and fp8_tiled(d, h * v)
+
+
+def _attn_parts(cfg, tokens, start_pos, rows, form, q_block, k_block, cache_len, walk) -> dict[str, int]:
+    """attn_flops by GEMM: q_o (q projections and o_proj), kv_a, kv_b (expanded form's key
+    expansion), absorb (absorbed form's W_uk / W_uv), core (scores and P.V)."""
     h, r, dr = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     dn, dv = cfg.qk_nope_head_dim, cfg.v_head_dim
+    parts = {"q_o": 0, "kv_a": 0, "kv_b": 0, "absorb": 0, "core": 0}
     if tokens == 1:
         slots = decode_kv_len(start_pos + 1, cache_len)
-        per_row = 2 * h * (dn * r + slots * (2 * r + dr) + r * dv)
-        return rows * (attn_proj_flops(cfg, 1, 1) + per_row)
+        parts["q_o"] = rows * (attn_proj_flops(cfg, 1, 0))
+        parts["kv_a"] = rows * 2 * cfg.hidden_size * cfg.cache_dim
+        parts["absorb"] = rows * 2 * h * (dn * r + r * dv)
+        parts["core"] = rows * 2 * h * slots * (2 * r + dr)
+        return parts
     if rows != 1:
         raise ValueError(f"attn_flops: a prefill chunk is one sequence, got rows={rows}")
     from hmoe_jax.plan.buckets import cache_len as bucket
@@ -117,20 +166,22 @@ def attn_flops(
     if walk not in ("static", "traced"):
         raise ValueError(f"attn_flops: walk {walk!r}, expected static or traced")
     static = form == "expanded" and walk == "static"
-    total = attn_proj_flops(cfg, n_qb * bq, tokens)
+    parts["q_o"] = attn_proj_flops(cfg, n_qb * bq, 0)
+    parts["kv_a"] = 2 * tokens * cfg.hidden_size * cfg.cache_dim
     if static:
-        total += 2 * (s // bk) * bk * r * h * (dn + dv)  # kv_b once per key of the row
+        parts["kv_b"] = 2 * (s // bk) * bk * r * h * (dn + dv)  # kv_b once per key of the row
         blocks = static_key_blocks(tokens, s, bq, bk)
     else:
         blocks = [min(-(-(start_pos + (i + 1) * bq) // bk), s // bk) for i in range(n_qb)]
     for n_kb in blocks:
         keys = n_kb * bk
         if form == "expanded":
-            total += 0 if static else 2 * keys * r * h * (dn + dv)
-            total += 2 * bq * keys * h * (dn + dr + dv)
+            parts["kv_b"] += 0 if static else 2 * keys * r * h * (dn + dv)
+            parts["core"] += 2 * bq * keys * h * (dn + dr + dv)
         else:
-            total += 2 * bq * h * (dn * r + r * dv) + 2 * bq * keys * h * (2 * r + dr)
-    return total
+            parts["absorb"] += 2 * bq * h * (dn * r + r * dv)
+            parts["core"] += 2 * bq * keys * h * (2 * r + dr)
+    return parts
 
 
 def static_key_blocks(tokens: int, cache_len: int, bq: int, bk: int) -> list[int]:
@@ -159,13 +210,42 @@ def cp_attn_flops(cfg: ModelConfig, padded_tokens: int, ranks: int) -> int:
     )
 
 
-# The dtype an accelerator's GEMMs run in under each precision policy (model/precision.py).
-# bf16: activations x activations in bf16 and FP8 weights dequantised to bf16 inside the
-# computation that uses them, so bf16 x bf16 -> f32 dots: the bf16 tensor rate. No true FP8
-# GEMM runs on the accelerator path today (the FP8 kernels are the CPU stand-in's hooks), so
-# acc_fp8_tflops prices nothing the engine runs; it is the rate an FP8 GEMM would reach.
-# f32 (and the dslp path in parallel/, which computes in f32): the fp32 rate.
+# The dtype an accelerator's GEMMs run in under each precision policy (model/precision.py),
+# the plan's compute_dtype. bf16: activation x activation dots (attention scores, P.V) and
+# bf16-weight GEMMs (lm_head) as bf16 x bf16 -> f32, and the router in f32 (small): the
+# bf16 tensor rate. FP8 weights on a GPU run as FP8 GEMMs (kernels/fp8_gemm.py through the
+# policy's hooks: e4m3 x e4m3 -> f32): plans put those FLOPs in an op's args.fp8_flops
+# (fp8_gemms / fp8_flops below), priced at the fp8 rate (sim/pricing.py). FP8 weights the
+# kernels' tiling does not cover (N or K not a multiple of 128: kv_a_proj_with_mqa) are
+# dequantised to bf16 inside their piece and stay at compute_dtype. On the CPU stand-in the
+# same FLOPs run in our FFI kernels, whose measured rate the profile gives as both bf16 and
+# fp8 (configs/systems/local.toml). f32 (and the dslp path in parallel/, which computes in
+# f32): the fp32 rate, fp8_flops 0.
 POLICY_GEMM_DTYPE = {"bf16": "bf16", "f32": "fp32"}
+# kernels/fp8_gemm.QBLOCK: the FP8 kernels' tile (N and K multiples of it, 128x128 weight
+# blocks); restated because plan/ imports no kernel code (tests/test_fp8_pricing.py pins it)
+FP8_GEMM_TILE = 128
+
+
+def fp8_gemms(cfg: ModelConfig, precision: str) -> bool:
+    """Whether the model's FP8 weights run as FP8 GEMMs on an accelerator under `precision`:
+    the bf16 policy (engine.precision_for on a GPU) with FP8 weights in 128x128 blocks."""
+    if precision not in POLICY_GEMM_DTYPE:
+        raise ValueError(f"precision {precision!r}: expected one of {sorted(POLICY_GEMM_DTYPE)}")
+    q = cfg.quant
+    return precision == "bf16" and q is not None and (q.block_n, q.block_k) == (FP8_GEMM_TILE,) * 2
+
+
+def fp8_tiled(n: int, k: int) -> bool:
+    """The FP8 kernels take an [N, K] weight (else fp8_linear's bf16 fallback)."""
+    return n % FP8_GEMM_TILE == 0 and k % FP8_GEMM_TILE == 0
+
+
+def ffn_fp8_flops(cfg: ModelConfig, flops: int, intermediate: int) -> int:
+    """`flops` of a SwiGLU (gate/up [I, D], down [D, I]) if its weights run as FP8 GEMMs."""
+    return (
+        flops if fp8_tiled(intermediate, cfg.hidden_size) and fp8_tiled(cfg.hidden_size, intermediate) else 0
+    )
 
 
 def acc_flops_per_s(system: SystemSpec, dtype: str) -> float:

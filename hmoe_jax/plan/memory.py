@@ -7,7 +7,7 @@ arithmetic from the config (no jax): schedules refuse a plan whose budget does n
   accelerator (runtime/state.py): FP8 matrices + f32 block scales, norms / router / bias
   counted f32, embeddings and lm_head bf16 as DeepSeek releases them (f32 models: 4 bytes
   everywhere), plus the absorbed-attention copies a bf16 policy derives from kv_b
-  (w_uk [H, dn, R] + w_uv [H, dv, R] in bf16 per layer).
+  (absorbed_bytes: FP8 per-head w_uk / w_uv where the FP8 kernels take them, else bf16).
 - ring_bytes: slp's device-side ring, ring_slots x plan.costs.slot_bytes (the GPU
   "inplace" device ring preallocates every slot); dslp: what a rank holds streamed at
   once (see dslp_budget: rank 0 one layer of experts, the others two layers + weights).
@@ -144,10 +144,16 @@ def _placed_bytes(cfg: ModelConfig, name: str, shape: tuple[int, ...], quantized
 
 
 def absorbed_bytes(cfg: ModelConfig, precision: str = "bf16") -> int:
-    """Per layer: the bf16 w_uk [H, dn, R] + w_uv [H, dv, R] a non-f32 policy keeps."""
+    """Per layer: the absorbed halves of kv_b a non-f32 policy keeps (runtime/state.py
+    absorbed_weights): FP8 per-head tensors w_uk [H, R, dn] + w_uv [H, dv, R] with their f32
+    block scales where the per-head FP8 kernels take them (FP8 weights in 128 blocks, dn and
+    dv multiples of 128: the bf16 policy on a GPU and the CPU stand-in), else bf16 copies."""
     if precision == "f32":
         return 0
-    return 2 * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) * cfg.kv_lora_rank
+    h, r, dn, dv = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim
+    if costs.fp8_gemms(cfg, precision) and dn % 128 == 0 and dv % 128 == 0:
+        return h * (dn + dv) * r + 4 * h * ((dn + dv) // 128) * (-(-r // 128))
+    return 2 * h * (dn + dv) * r
 
 
 @functools.lru_cache(maxsize=16)
@@ -170,8 +176,13 @@ def cache_bytes(cfg: ModelConfig, rows: int, max_len: int, dtype_bytes: int = 2)
 
 
 def _dequant_bytes(cfg: ModelConfig, n: int, k: int, wb: int) -> int:
-    """A weight's copy dequantised for a dot (FP8 models only; f32 weights feed it as stored)."""
-    return n * k * wb if cfg.quant is not None else 0
+    """A weight's copy dequantised for a dot (FP8 models only; f32 weights feed it as stored).
+    Under the bf16 policy (wb = 2) an FP8 [N, K] weight the FP8 kernels tile is consumed as
+    stored (kernels/fp8_gemm.py on a GPU: no copy); one they do not tile (kv_a, N = 576) is
+    dequantised to bf16."""
+    if cfg.quant is None or (wb == 2 and costs.fp8_gemms(cfg, "bf16") and costs.fp8_tiled(n, k)):
+        return 0
+    return n * k * wb
 
 
 def attention_temp(
@@ -190,8 +201,9 @@ def attention_temp(
     input and the stacked block outputs [T, D], kv_a's output and the new latents [T, 576]
     in f32, one (query block, key block) pair's working set (two f32 score blocks
     [bq, H, bk], the f32 accumulator carried twice, the block's q, the expanded keys of one
-    key block) and the bf16 dequantised attention weights; the expanded form's static walk
-    (the accelerator's, planned by default) adds the row's K_nope / V buffers [S, H, dn + dv]
+    key block) and the dequantised attention weights (_dequant_bytes: under the bf16
+    policy only kv_a); the expanded form's static walk (the accelerator's, planned by
+    default) adds the row's K_nope / V buffers [S, H, dn + dv]
     in the act dtype (2.03 GiB bf16 for a 33280-slot DeepSeek-V3 row) and no per-block
     expansion; walk="traced" is the CPU walk. Decode: two f32 score rows [B, H, kv] and the
     gathered cache rows."""
@@ -245,7 +257,7 @@ def dense_ffn_temp(cfg: ModelConfig, tokens: int, act: int = 2) -> int:
 def experts_group_temp(cfg: ModelConfig, tokens: int, experts_per_slot: int = 1, act: int = 2) -> int:
     """pieces.experts_group at its worst-case bucket (a slot of G experts gets at most
     min(G, k) T rows): gathered rows [rows, D], gate / up f32 [rows, I], the product, the f32
-    output rows [rows, D], the slot's dequantised weights."""
+    output rows [rows, D], the slot's dequantised weights (none under the bf16 policy: the grouped FP8 kernel)."""
     d, i, wb = cfg.hidden_size, cfg.moe_intermediate_size, (2 if act == 2 else 4)
     n = min(experts_per_slot, cfg.num_experts_per_tok) * tokens
     rows = max(16, 1 << (max(n, 1) - 1).bit_length())  # pieces.row_bucket

@@ -38,20 +38,35 @@ def add_attention(
     rows: int = 1,
     cache_slots: int | None = None,
     attn: dict | None = None,
+    fp8: bool = False,
 ) -> int:
     """An attention op priced as model/attention.py runs it (form, blocks, the pool row's
-    cache_slots; attn: the engine's form / q_block / k_block options)."""
+    cache_slots; attn: the engine's form / q_block / k_block options; fp8: FP8 weights run
+    as FP8 GEMMs, costs.fp8_gemms)."""
+    kw = dict(rows=rows, cache_len=cache_slots, **attn_kw(attn))
     return b.add(
         "attn",
         acc,
         layer=layer,
-        flops=costs.attn_flops(
-            cfg, t1 - t0, start_pos + t0, rows=rows, cache_len=cache_slots, **attn_kw(attn)
-        ),
+        flops=costs.attn_flops(cfg, t1 - t0, start_pos + t0, **kw),
         deps=[dep],
         tokens=[t0, t1],
         form=costs.attn_form(attn_kw(attn).get("form", "auto"), t1 - t0),
+        **fp8_args(fp8, costs.attn_fp8_flops(cfg, t1 - t0, start_pos + t0, **kw) if fp8 else 0),
     )
+
+
+def fp8_args(fp8: bool, fp8_flops: int) -> dict:
+    """An accelerator op's args.fp8_flops (sim/pricing.py) when FP8 GEMMs run, else none
+    (plans of the f32 policy or of unquantised models stay as they were)."""
+    return {"fp8_flops": int(fp8_flops)} if fp8 else {}
+
+
+def shared_fp8_flops(cfg: ModelConfig, tokens: int) -> int:
+    """The shared expert(s)' FLOPs that run as FP8 GEMMs (one SwiGLU of intermediate
+    moe_intermediate_size x n_shared_experts)."""
+    inter = cfg.moe_intermediate_size * cfg.n_shared_experts
+    return costs.ffn_fp8_flops(cfg, costs.shared_flops(cfg, tokens), inter)
 
 
 def attn_kw(attn: dict | None) -> dict:
@@ -117,6 +132,8 @@ class CpuSchedule(Schedule):
         if not budget.fits:
             raise ScheduleError(f"cpu: {budget.message}")
         attn = self.options.get("attn")
+        precision = str(self.options.get("precision", "bf16"))
+        fp8 = costs.fp8_gemms(cfg, precision)
         b = PlanBuilder(self.name, num_tokens)
         k = cfg.num_experts_per_tok
         prev_chunk_last = None
@@ -130,10 +147,10 @@ class CpuSchedule(Schedule):
                 with_shared = fused and bool(cfg.n_shared_experts) and n <= fuse_shared_tokens
                 if cfg.is_moe_layer(layer) and fused:
                     # one computation and one hop per layer: what decode needs most
-                    flops = costs.attn_flops(
-                        cfg, t1 - t0, start_pos + t0, rows=batch, cache_len=budget.max_len, **attn_kw(attn)
-                    )
+                    kw = dict(rows=batch, cache_len=budget.max_len, **attn_kw(attn))
+                    flops = costs.attn_flops(cfg, t1 - t0, start_pos + t0, **kw)
                     flops += costs.router_flops(cfg, n)
+                    f8 = costs.attn_fp8_flops(cfg, t1 - t0, start_pos + t0, **kw) if fp8 else 0
                     r = h = b.add(
                         "attn_route",
                         "acc:0",
@@ -143,19 +160,32 @@ class CpuSchedule(Schedule):
                         tokens=[t0, t1],
                         form=costs.attn_form(attn_kw(attn).get("form", "auto"), t1 - t0),
                         with_shared=with_shared,
+                        **fp8_args(fp8, f8 + (shared_fp8_flops(cfg, n) if with_shared else 0)),
                     )
                 else:
                     h = add_attention(
-                        b, cfg, layer, t0, t1, start_pos, h, rows=batch, cache_slots=budget.max_len, attn=attn
+                        b,
+                        cfg,
+                        layer,
+                        t0,
+                        t1,
+                        start_pos,
+                        h,
+                        rows=batch,
+                        cache_slots=budget.max_len,
+                        attn=attn,
+                        fp8=fp8,
                     )
                     if not cfg.is_moe_layer(layer):
+                        ffn = costs.dense_ffn_flops(cfg, n)
                         h = b.add(
                             "dense_ffn",
                             "acc:0",
                             layer=layer,
-                            flops=costs.dense_ffn_flops(cfg, n),
+                            flops=ffn,
                             deps=[h],
                             tokens=[t0, t1],
+                            **fp8_args(fp8, costs.ffn_fp8_flops(cfg, ffn, cfg.intermediate_size)),
                         )
                         continue
                     r = b.add(
@@ -176,6 +206,7 @@ class CpuSchedule(Schedule):
                         flops=costs.shared_flops(cfg, n),
                         deps=[r],
                         tokens=[t0, t1],
+                        **fp8_args(fp8, shared_fp8_flops(cfg, n)),
                     )
                     if cfg.n_shared_experts and not with_shared
                     else None
@@ -208,7 +239,8 @@ class CpuSchedule(Schedule):
         return b.build(
             devices=1,
             start_pos=start_pos,
-            compute_dtype=costs.POLICY_GEMM_DTYPE[str(self.options.get("precision", "bf16"))],
+            compute_dtype=costs.POLICY_GEMM_DTYPE[precision],
+            fp8_gemms=fp8,
             memory=budget.meta(),
             chunk_tokens=chunk,
             all_logits=all_logits,

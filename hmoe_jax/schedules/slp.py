@@ -36,25 +36,37 @@ from hmoe_jax.plan import costs, memory
 from hmoe_jax.plan.format import Plan, PlanBuilder
 from hmoe_jax.plan.system import SystemSpec
 from hmoe_jax.schedules.base import COMMON_OPTIONS, Schedule, ScheduleError
-from hmoe_jax.schedules.cpu import add_attention
+from hmoe_jax.schedules.cpu import add_attention, fp8_args, shared_fp8_flops
 
 
 def layer_times_s(
     cfg: ModelConfig, system: SystemSpec, num_tokens: int, precision: str = "bf16", start_pos: int = 0
 ) -> tuple[float, float]:
     """(copy_s, compute_s) of one MoE layer under SLP, the plan's overlap estimate, at the
-    effective rates the simulator prices: the link's h2d rate (a measured transfer rate) and
-    the dense peak of the dtype that runs (bf16 GEMMs under the bf16 policy: FP8 weights are
-    dequantised to bf16 inside each piece; no FP8 GEMM runs) x acc_compute_efficiency."""
+    effective rates the simulator prices: the link's h2d rate (a measured transfer rate) and,
+    x acc_compute_efficiency, the fp8 dense peak for the FLOPs that run as FP8 GEMMs
+    (layer_fp8_flops: FP8 weights under the bf16 policy) and the policy's GEMM dtype's for
+    the rest (attention scores and P.V, the router)."""
     copy_s = cfg.n_routed_experts * costs.expert_bytes(cfg) / (system.h2d_gbps * 1e9)
-    flops = (
-        costs.attn_flops(cfg, num_tokens, start_pos)
-        + costs.router_flops(cfg, num_tokens)
-        + costs.shared_flops(cfg, num_tokens)
-        + costs.expert_flops(cfg, num_tokens * cfg.num_experts_per_tok)
-    )
-    rate = costs.acc_flops_per_s(system, costs.POLICY_GEMM_DTYPE[precision]) * system.acc_compute_efficiency
-    return copy_s, flops / rate
+    flops, fp8 = layer_flops(cfg, num_tokens, precision, start_pos)
+    eff = system.acc_compute_efficiency
+    rate = costs.acc_flops_per_s(system, costs.POLICY_GEMM_DTYPE[precision]) * eff
+    return copy_s, (flops - fp8) / rate + fp8 / (costs.acc_flops_per_s(system, "fp8") * eff)
+
+
+def layer_flops(
+    cfg: ModelConfig, num_tokens: int, precision: str = "bf16", start_pos: int = 0
+) -> tuple[int, int]:
+    """(FLOPs, of which FP8 GEMM FLOPs) of one MoE layer's ops in an SLP plan: attention,
+    router, shared and routed experts, the same numbers the plan's ops carry."""
+    n, fp8 = num_tokens, costs.fp8_gemms(cfg, precision)
+    rows = n * cfg.num_experts_per_tok
+    experts = costs.expert_flops(cfg, rows)
+    flops = costs.attn_flops(cfg, n, start_pos) + costs.router_flops(cfg, n) + costs.shared_flops(cfg, n)
+    if not fp8:
+        return flops + experts, 0
+    f8 = costs.attn_fp8_flops(cfg, n, start_pos) + shared_fp8_flops(cfg, n)
+    return flops + experts, f8 + costs.ffn_fp8_flops(cfg, experts, cfg.moe_intermediate_size)
 
 
 def overlap_bound(copy_s: float, compute_s: float) -> str:
@@ -120,23 +132,27 @@ class SlpSchedule(Schedule):
         budget = self.budget(cfg, system, num_tokens, devices=devices, start_pos=start_pos)
         if not budget.fits:
             raise ScheduleError(f"slp: {budget.message}")
+        fp8 = costs.fp8_gemms(cfg, precision)  # FP8 weights run as FP8 GEMMs (args.fp8_flops)
         ring = budget.ring_slots
         n, k = num_tokens, cfg.num_experts_per_tok
         b = PlanBuilder(self.name, num_tokens)
         unloads: list[int] = []  # by global group number
         h = b.add("embed", "acc:0", tokens=[0, n])
         for layer in range(cfg.num_hidden_layers):
+            attn = self.options.get("attn")
             h = add_attention(
-                b, cfg, layer, 0, n, start_pos, h, cache_slots=budget.max_len, attn=self.options.get("attn")
+                b, cfg, layer, 0, n, start_pos, h, cache_slots=budget.max_len, attn=attn, fp8=fp8
             )
             if not cfg.is_moe_layer(layer):
+                ffn = costs.dense_ffn_flops(cfg, n)
                 h = b.add(
                     "dense_ffn",
                     "acc:0",
                     layer=layer,
-                    flops=costs.dense_ffn_flops(cfg, n),
+                    flops=ffn,
                     deps=[h],
                     tokens=[0, n],
+                    **fp8_args(fp8, costs.ffn_fp8_flops(cfg, ffn, cfg.intermediate_size)),
                 )
                 continue
             r = b.add(
@@ -144,7 +160,13 @@ class SlpSchedule(Schedule):
             )
             s = (
                 b.add(
-                    "shared", "acc:0", layer=layer, flops=costs.shared_flops(cfg, n), deps=[r], tokens=[0, n]
+                    "shared",
+                    "acc:0",
+                    layer=layer,
+                    flops=costs.shared_flops(cfg, n),
+                    deps=[r],
+                    tokens=[0, n],
+                    **fp8_args(fp8, shared_fp8_flops(cfg, n)),
                 )
                 if cfg.n_shared_experts
                 else None
@@ -182,11 +204,13 @@ class SlpSchedule(Schedule):
                 # Expected rows: tokens * k spread evenly over experts (the plan's estimate;
                 # the executor computes the actual routing).
                 rows = n * k * (hi - lo) // e_total
+                ef = costs.expert_flops(cfg, rows)
                 prev = b.add(
                     "experts_acc",
                     "acc:0",
                     layer=layer,
-                    flops=costs.expert_flops(cfg, rows),
+                    flops=ef,
+                    **fp8_args(fp8, costs.ffn_fp8_flops(cfg, ef, cfg.moe_intermediate_size)),
                     bytes=(hi - lo) * costs.expert_bytes(cfg),
                     deps=[ld, prev],
                     slot=slot,
@@ -208,6 +232,7 @@ class SlpSchedule(Schedule):
         return b.build(
             devices=1,
             compute_dtype=costs.POLICY_GEMM_DTYPE[precision],
+            fp8_gemms=fp8,
             memory=budget.meta(),
             start_pos=start_pos,
             ring_slots=ring,
