@@ -65,12 +65,13 @@ def test_zigzag_layout_exhaustive(n):
 
 
 # 13 is a multiple of 2N for no N: padded and masked; 16 is one for every N here.
-# attn: the blocked attention's options; small blocks so several query and key blocks run
-# per chunk (k_block 6 divides no padded length: the gathered cache is padded to it).
+# attn: the walk's options; small blocks so several query and key blocks run per chunk
+# (block 3 divides no chunk of 7: the last query block and the gathered row are padded),
+# and two head groups (o_proj accumulated over them).
 ATTN_OPTS = [
     {},
-    {"form": "expanded", "q_block": 2, "k_block": 4},
-    {"form": "absorbed", "q_block": 3, "k_block": 6},
+    {"block": 2},
+    {"block": 3, "head_groups": 2},
 ]
 
 
