@@ -289,3 +289,35 @@ def test_a_reading_expert_op_holds_the_cores_it_streams_with(paper):
     sim.run_until(rid=r)
     # two users of cpu0 and cpu1 at equal dominant share: the reader gets half of each core set
     assert sim.runs[r].end_s == pytest.approx(2 * alone - paper["overheads.cpu_op_s"], rel=1e-6)
+
+
+def test_fp8_flops_run_at_the_fp8_rate_and_the_rest_at_the_plans_dtype(paper):
+    """args.fp8_flops: that part of an accelerator op's flops at the profile's fp8 rate, the
+    rest at the plan's compute_dtype rate, both x compute_efficiency (hand arithmetic from
+    the profile's numbers); absent = all at compute_dtype; out of [0, flops]: a SimError
+    naming the op. The dslp compute ops split the same way."""
+    from hmoe_jax.sim.events import SimError
+
+    rates = Rates(paper)
+    eff = paper["accelerator.compute_efficiency"]
+    bf16, fp8 = paper["accelerator.bf16_tflops"] * 1e12 * eff, paper["accelerator.fp8_tflops"] * 1e12 * eff
+
+    def acc_s(kind: str, flops: int, dtype: str = "bf16", **args) -> float:
+        b = PlanBuilder("t", 1)
+        b.add(kind, "acc:0", flops=flops, tokens=[0, 128], **args)
+        plan = b.build(batch=1, compute_dtype=dtype, devices=1)
+        phases = price_op(rates, plan, plan.ops[0], (0,), None)
+        return sum(ph.demand_s.get("acc0", 0.0) for ph in phases)
+
+    assert acc_s("shared", 10**13) == pytest.approx(1e13 / bf16)
+    # 209 x 0.7 and 419 x 0.7 TFLOPS: 4e12 flops of bf16 and 6e12 of FP8
+    assert acc_s("shared", 10**13, fp8_flops=6 * 10**12) == pytest.approx(
+        4e12 / (209e12 * 0.7) + 6e12 / (419e12 * 0.7)
+    )
+    assert acc_s("experts_acc", 10**13, fp8_flops=10**13) == pytest.approx(1e13 / fp8)
+    fp32 = paper["accelerator.fp32_tflops"] * 1e12 * eff
+    assert acc_s("attn", 10**13, "fp32", fp8_flops=10**12) == pytest.approx(9e12 / fp32 + 1e12 / fp8)
+    assert acc_s("dslp_ffn", 10**13, fp8_flops=5 * 10**12) == pytest.approx(5e12 / bf16 + 5e12 / fp8)
+    for bad in (10**13 + 1, -1, 0.5):
+        with pytest.raises(SimError, match=r"op 0 \(shared\) has fp8_flops"):
+            acc_s("shared", 10**13, fp8_flops=bad)

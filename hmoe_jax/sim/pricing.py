@@ -6,7 +6,8 @@ Physical resources of a profile (plan/profile.py):
   xbw<n>            the CPU expert kernel's own read rate on node n (DRAM x expert efficiency):
                     alone an expert op reads at that rate; beside other DRAM users it also
                     shares dram<n> at the full rate
-  acc<i>, accmem<i> accelerator i's GEMM rate (the plan's compute dtype) and memory bandwidth
+  acc<i>, accmem<i> accelerator i's GEMM rate (the plan's compute dtype; an op's fp8_flops at
+                    the fp8 rate) and memory bandwidth
                     (placement "host", a stand-in XLA CPU device: its GEMMs run on cpu<n> at
                     the measured stand-in rate and its reads also use dram<n>, so its ops and
                     the CPU experts share the same cores and DRAM)
@@ -19,11 +20,16 @@ expert op splits experts by node; copies and DMA touch every node evenly), so ho
 spread evenly over dram<n>. Op kinds, as runtime/executor.py and runtime/dist_exec.py run them:
 
 - accelerator pieces (embed, attn, attn_route, route, shared, dense_ffn, combine, final,
-  experts_acc, forward): acc_op_s, then flops on acc<i> and bytes on accmem<i>; experts_acc
+  experts_acc, forward): acc_op_s, then flops on acc<i> and bytes on accmem<i>. An op's
+  args.fp8_flops (int, 0 <= fp8_flops <= flops; absent = 0) is the part of its flops that
+  runs as FP8 GEMMs (kernels/fp8_gemm.py: FP8 weights under the bf16 policy on a GPU): it is
+  priced at the profile's fp8 rate, the rest at the plan's compute_dtype rate (both x
+  compute_efficiency); the same for the dslp compute ops' per-rank flops. experts_acc
   also converts its slot's FP8 weights inside XLA (weight_convert_gbps, when the profile has
   one: the stand-in's dense_weight pass); a prefill attention piece (attn / attn_route without
   the fused shared expert, args.form absorbed or expanded) runs at the profile's
-  attn_<form>_tflops when it has one (the piece's measured rate: not one GEMM);
+  attn_<form>_tflops when it has one (the piece's measured rate: not one GEMM; it was
+  measured running the piece as it runs, FP8 GEMMs included, so fp8_flops does not split it);
 - d2h / h2d (activation hops): hop_s, then bytes on the link and on host DRAM;
 - experts_cpu: cpu_op_s, then bytes on xbw<n> (the kernel's read rate: expert_bw_efficiency
   at one row per touched expert, towards expert_bw_efficiency_batched at more rows) and
@@ -171,6 +177,17 @@ def _dtype(plan: Plan) -> str:
     return dt
 
 
+def fp8_flops(plan: Plan, op: Op) -> int:
+    """The op's args.fp8_flops (0 when absent), checked against its flops."""
+    f = op.args.get("fp8_flops", 0)
+    if isinstance(f, bool) or not isinstance(f, int) or not 0 <= f <= op.flops:
+        raise SimError(
+            f"plan {plan.schedule!r}: op {op.id} ({op.kind}) has fp8_flops={f!r}; expected an int in "
+            f"[0, flops={op.flops}] (the part of its flops that runs as FP8 GEMMs)"
+        )
+    return f
+
+
 def _compute(
     rates: Rates,
     dtype: str,
@@ -180,12 +197,17 @@ def _compute(
     label: str,
     convert: bool = False,
     rate: float | None = None,
+    fp8: float = 0,
 ) -> Phase:
     """convert: the piece dequantises its FP8 weights (nbytes) inside XLA first (experts_acc);
-    rate: the piece's own flops/s (default: the GEMM rate of `dtype`)."""
+    rate: the piece's own flops/s for all its flops (default: `fp8` of the flops at the fp8
+    GEMM rate, the rest at the GEMM rate of `dtype`)."""
     d: dict[str, float] = {}
     conv_s = nbytes / rates.convert if (convert and rates.convert) else 0.0
-    flops_s = flops / (rate or rates.acc[dtype])
+    if rate:
+        flops_s = flops / rate
+    else:
+        flops_s = (flops - fp8) / rates.acc[dtype] + fp8 / rates.acc["fp8"]
     for i in devs:
         _add(d, f"accmem{i}", nbytes / rates.acc_mem)
         if rates.on_host:  # a stand-in: its GEMMs (and converts) use every core, its reads host DRAM
@@ -252,11 +274,12 @@ def price_op(
     o, k = rates.overheads, op.kind
     if k in ACC_PIECES:
         dev = _device(devices, op.resource, rates)
-        form = op.args.get("form")
+        form, fp8 = op.args.get("form"), fp8_flops(plan, op)
         if k in ("attn", "attn_route") and form in rates.attn and not op.args.get("with_shared"):
             # a prefill attention piece at its own measured rate (the router's flops ride along)
             return (_compute(rates, _dtype(plan), (dev,), op.flops, op.bytes, k, rate=rates.attn[form]),)
-        return (_compute(rates, _dtype(plan), (dev,), op.flops, op.bytes, k, convert=k == "experts_acc"),)
+        convert = k == "experts_acc"
+        return (_compute(rates, _dtype(plan), (dev,), op.flops, op.bytes, k, convert=convert, fp8=fp8),)
     if k in ("d2h", "h2d"):
         return (_link(rates, _device(devices, op.resource, rates), op.bytes, k, o["hop_s"], k),)
     if k == "experts_cpu":
@@ -309,7 +332,8 @@ def price_op(
         n = int(plan.meta.get("devices", len(devices)))
         devs = tuple(_device(devices, f"acc:{r}", rates) for r in range(n))
         before, after = _comm_phases(rates, devs, op.args.get("comm"))
-        return (*before, _compute(rates, _dtype(plan), devs, op.flops, op.bytes, k), *after)
+        compute = _compute(rates, _dtype(plan), devs, op.flops, op.bytes, k, fp8=fp8_flops(plan, op))
+        return (*before, compute, *after)
     raise SimError(
         f"plan {plan.schedule!r}: op {op.id} has kind {k!r}, which the simulator does not price "
         f"(known: {sorted(PRICED_KINDS)}); add it to hmoe_jax/sim/pricing.py"
