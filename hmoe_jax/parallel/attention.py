@@ -85,8 +85,11 @@ def _walk(cfg, prec, q2, qr2, qpos2, k_buf, r_buf, v_buf, n_a, n_b, trips: int, 
     loop of `trips` key-block steps: step j < n_a is (block 0, key block j), else (block 1,
     key block j - n_a), and steps past n_a + n_b are masked whole. q2 [2, b, Hg, dn],
     qr2 [2, b, Hg, dr] (dot dtype), qpos2 [2, b]; buffers [n_kb, b, Hg, dn | dv], r_buf
-    [n_kb, b, dr] -> [2, b, Hg, dv] f32 (normalised). Every query sees key 0 in its
-    block's first step, so the running max is finite before any fully masked step."""
+    [n_kb, b, dr] -> ([2, b, Hg, dv] f32 (normalised), the buffers). Every query sees
+    key 0 in its block's first step, so the running max is finite before any fully masked
+    step. The buffers ride in the loop's carry and come back out, so the caller chains them
+    into the next walk: a loop-invariant operand that is read again after the loop gets a
+    copy per loop from XLA (measured on XLA:CPU: every K/V buffer twice)."""
     n_kb = k_buf.shape[0]
     hg, dv = q2.shape[2], v_buf.shape[-1]
     dt = prec.dot_dtype
@@ -96,7 +99,7 @@ def _walk(cfg, prec, q2, qr2, qpos2, k_buf, r_buf, v_buf, n_a, n_b, trips: int, 
     )
 
     def body(j, carry):
-        m, l_sum, acc = carry
+        (m, l_sum, acc), (k_buf, r_buf, v_buf) = carry
         which = (j >= n_a).astype(jnp.int32)
         kb = jnp.where(which == 1, j - n_a, j)
         valid = jnp.where(which == 1, kb < n_b, True)
@@ -112,13 +115,14 @@ def _walk(cfg, prec, q2, qr2, qpos2, k_buf, r_buf, v_buf, n_a, n_b, trips: int, 
         corr = jnp.exp(m_old - m_new)
         l_new = l_sum[which] * corr + pr.sum(-1)
         a_new = acc[which] * corr[..., None] + dot("qhk,khd->qhd", pr, v_buf[kb])
-        return m.at[which].set(m_new), l_sum.at[which].set(l_new), acc.at[which].set(a_new)
+        stats = (m.at[which].set(m_new), l_sum.at[which].set(l_new), acc.at[which].set(a_new))
+        return stats, (k_buf, r_buf, v_buf)
 
     # built from the queries so the carry has their type (varying over the ranks)
     zero = jnp.zeros_like(q2[..., 0], dtype=jnp.float32)  # [2, b, Hg]
     init = (zero - jnp.inf, zero, jnp.zeros((2, b, hg, dv), jnp.float32) + zero[..., None])
-    _, l_sum, acc = lax.fori_loop(0, trips, body, init)
-    return acc / l_sum[..., None]
+    (_, l_sum, acc), bufs = lax.fori_loop(0, trips, body, (init, (k_buf, r_buf, v_buf)))
+    return acc / l_sum[..., None], bufs
 
 
 def cp_attention_block(
@@ -193,7 +197,9 @@ def cp_attention_block(
     qcos, qsin = rope_cos_sin(cfg, qpos_all)  # [2, n_qb b, dr/2]
     rows = []
     for bi in range(bsz):
-        qin = jnp.stack([jnp.pad(q_input(x[bi, half * c : (half + 1) * c])[None], pad_q)[0] for half in (0, 1)])
+        qin = jnp.stack(
+            [jnp.pad(q_input(x[bi, half * c : (half + 1) * c])[None], pad_q)[0] for half in (0, 1)]
+        )
         lat_k = jnp.pad(lat[bi], ((0, n_kb * b - s_pad), (0, 0))).reshape(n_kb, b, r_dim)
         r_buf = jnp.pad(rop[bi], ((0, n_kb * b - s_pad), (0, 0))).reshape(n_kb, b, dr).astype(dt)
         out = jnp.zeros((2, n_qb * b, d), jnp.float32)
@@ -206,8 +212,11 @@ def cp_attention_block(
                 e = _lin32(lat_blk, kv_b, prec).reshape(b, hg, dn + dv).astype(dt)
                 return e[..., :dn], e[..., dn:]
 
-            # kv_b once per key block of the row: [n_kb, b, Hg, dn] and [n_kb, b, Hg, dv]
-            _, (k_buf, v_buf) = lax.scan(lambda cr, lb: (cr, expand(lb)), None, lat_k)
+            # kv_b once per key block of the row: [n_kb, b, Hg, dn] and [n_kb, b, Hg, dv]. The
+            # barrier orders group g's expansion after group g-1's walks (else the scheduler
+            # may expand every group first and hold all buffers: the point of groups lost).
+            lat_g, out = lax.optimization_barrier((lat_k, out))
+            _, (k_buf, v_buf) = lax.scan(lambda cr, lb: (cr, expand(lb)), None, lat_g)
             for i, n_i in enumerate(trips):
                 # the barrier makes block i wait for block i-1's output (as model.attention's
                 # static walk): otherwise every block's q and accumulator may be live at once
@@ -217,8 +226,19 @@ def cp_attention_block(
                 qpos2 = qpos_all[:, i * b : (i + 1) * b]
                 n_a = jnp.minimum(n_kb, (chunk_a * c + (i + 1) * b + b - 1) // b)
                 n_b = jnp.minimum(n_kb, (chunk_b * c + (i + 1) * b + b - 1) // b)
-                o = _walk(
-                    cfg, prec, q[..., :dn].astype(dt), qr.astype(dt), qpos2, k_buf, r_buf, v_buf, n_a, n_b, n_i, b
+                o, (k_buf, r_buf, v_buf) = _walk(
+                    cfg,
+                    prec,
+                    q[..., :dn].astype(dt),
+                    qr.astype(dt),
+                    qpos2,
+                    k_buf,
+                    r_buf,
+                    v_buf,
+                    n_a,
+                    n_b,
+                    n_i,
+                    b,
                 )
                 o = _lin32(o.astype(act).reshape(2 * b, hg * dv), o_w, prec).reshape(2, b, d)
                 out = lax.dynamic_update_slice(out, out[:, i * b : (i + 1) * b] + o, (0, i * b, 0))

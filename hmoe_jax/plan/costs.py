@@ -232,12 +232,10 @@ def _cp_attn_parts(cfg: ModelConfig, padded_tokens: int, ranks: int, block: int)
     }
 
 
-# The dtype an accelerator's GEMMs run in under each precision policy (model/precision.py).
-# bf16: activations x activations in bf16 and FP8 weights dequantised to bf16 inside the
-# computation that uses them, so bf16 x bf16 -> f32 dots: the bf16 tensor rate. No true FP8
-# GEMM runs on the accelerator path today (the FP8 kernels are the CPU stand-in's hooks), so
-# acc_fp8_tflops prices nothing the engine runs; it is the rate an FP8 GEMM would reach.
-# f32 (and the dslp path in parallel/, which computes in f32): the fp32 rate.
+# The dtype an accelerator's GEMMs run in under each precision policy (model/precision.py):
+# a plan's meta.compute_dtype. bf16: activations x activations in bf16 with f32
+# accumulation; an op's args.fp8_flops (the FP8-weight GEMMs the policy's FP8 hooks run)
+# is priced at the fp8 rate by the simulator, the rest at this dtype's. f32: the fp32 rate.
 POLICY_GEMM_DTYPE = {"bf16": "bf16", "f32": "fp32"}
 
 
