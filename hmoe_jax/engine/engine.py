@@ -66,9 +66,25 @@ def expert_fn_named(name: str, cfg: ModelConfig | None = None) -> ExpertFn:
     raise ValueError(f"expert_fn {name!r}: expected 'auto', 'ref' or 'ffi'")
 
 
+# Accelerator platforms whose bf16 policy runs the Pallas FP8 GEMMs (Triton backend)
+GPU_PLATFORMS = ("gpu", "cuda")
+
+
 def precision_for(name: str, placement: P.Placement) -> Precision:
     """The named policy for this placement. On CPU stand-ins the bf16 policy's weight
-    matmuls go through our FFI kernels (they run on the host CPU the stand-in is)."""
+    matmuls go through our FFI kernels (they run on the host CPU the stand-in is); on a
+    GPU through the Pallas block-scaled FP8 GEMMs (kernels/fp8_gemm.py: every FP8 weight's
+    matmul, the SLP ring slot's experts and the absorbed MLA's per-head weights)."""
+    if name == "bf16" and placement.acc.platform in GPU_PLATFORMS:
+        from hmoe_jax.kernels import fp8_gemm
+
+        return policy(
+            name,
+            cpu=False,
+            accel_fp8_matmul=fp8_gemm.fp8_linear,
+            accel_fp8_grouped_matmul=fp8_gemm.fp8_grouped_linear,
+            accel_fp8_head_matmul=fp8_gemm.fp8_head_linear,
+        )
     if not placement.stand_in or name == "f32" or not ffi_moe_available():
         return policy(name, cpu=placement.stand_in)
     from hmoe_jax.kernels import ffi, gemm

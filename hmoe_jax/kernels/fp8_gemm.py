@@ -382,3 +382,88 @@ def fp8_gemm_grouped_ref(x_q: Any, x_scale: Any, w: Fp8Tensor, group_sizes: Any)
         out.append(fp8_gemm_ref(x_q[start : start + size], x_scale[start : start + size], we))
         start += size
     return jnp.concatenate(out, axis=0)
+
+
+# --- the precision policy's grouped and per-head hooks -------------------------------------
+
+
+def _tiled(n: int, k: int, w: Fp8Tensor) -> bool:
+    """The kernels' tiling covers this weight: N, K multiples of 128 and 128x128 blocks."""
+    return not (n % QBLOCK or k % QBLOCK) and (w.block_n, w.block_k) == (QBLOCK, QBLOCK)
+
+
+def _group_block_m(rows: int, groups: int) -> int:
+    """Row tile of a grouped call: 16 (the smallest Triton dot tile) when the groups average
+    <= 16 rows (decode heads, small expert groups: padding each group to 64 rows would
+    quadruple the work), else 64."""
+    return DECODE_ROWS if rows <= DECODE_ROWS * groups else 64
+
+
+def fp8_grouped_linear(x: Any, w: Fp8Tensor, group_sizes: Any, *, interpret: bool = False) -> jax.Array:
+    """The bf16 policy's grouped FP8 hook (model/precision.py GroupedMatmulFn): x [M, K]
+    with rows sorted by group, w Fp8Tensor [G, N, K], group_sizes [G] (traced is fine; rows
+    past their sum come out 0) -> [M, N] f32, through quantize_act_fp8 + fp8_gemm_grouped:
+    each group's rows meet only their own weight (no dense expansion, no bf16 weight copy).
+    Weights the tiling does not cover fall back to a bf16 dequantisation and ragged_dot."""
+    if x.ndim != 2 or len(w.w.shape) != 3 or x.shape[-1] != w.w.shape[-1]:
+        raise ValueError(
+            f"fp8_grouped_linear: x must be [M, K] and w [G, N, K] with the same K, got "
+            f"{tuple(x.shape)} and {tuple(w.w.shape)}"
+        )
+    g, n, k = w.w.shape
+    if not _tiled(n, k, w):
+        wd = dequantize(w, jnp.bfloat16).transpose(0, 2, 1)  # [G, K, N]
+        sizes = jnp.asarray(group_sizes, jnp.int32)
+        return jax.lax.ragged_dot(x.astype(jnp.bfloat16), wd, sizes, preferred_element_type=jnp.float32)
+    x_q, x_s = quantize_act_fp8(x)
+    block_m = _group_block_m(x.shape[0], g)
+    y = fp8_gemm_grouped(x_q, x_s, w, group_sizes, block_m=block_m, interpret=interpret)
+    return y.astype(jnp.float32)
+
+
+def fp8_grouped_linear_ref(x: Any, w: Fp8Tensor, group_sizes: Any) -> jax.Array:
+    """Jittable twin of fp8_grouped_linear (traced sizes): the same activation quantisation,
+    then for every group an f32 (HIGHEST) dot of all rows with that group's dequantised
+    weight, rounded to bf16 and kept on the group's rows (G dense dots: a reference)."""
+    g, n, k = w.w.shape
+    if not _tiled(n, k, w):
+        wd = dequantize(w, jnp.bfloat16).transpose(0, 2, 1)
+        sizes = jnp.asarray(group_sizes, jnp.int32)
+        return jax.lax.ragged_dot(x.astype(jnp.bfloat16), wd, sizes, preferred_element_type=jnp.float32)
+    x_q, x_s = quantize_act_fp8(x)
+    xd = x_q.astype(jnp.float32) * jnp.repeat(x_s, QBLOCK, axis=1)
+    ends = jnp.cumsum(jnp.asarray(group_sizes, jnp.int32))
+    row = jnp.arange(x.shape[0])
+    y = jnp.zeros((x.shape[0], n), jnp.float32)
+    for e in range(g):
+        we = Fp8Tensor(w=w.w[e], scale_inv=w.scale_inv[e], block_n=w.block_n, block_k=w.block_k)
+        ye = jnp.dot(xd, dequantize(we, jnp.float32).T, precision=jax.lax.Precision.HIGHEST)
+        mine = (row < ends[e]) & (row >= ends[e] - jnp.asarray(group_sizes, jnp.int32)[e])
+        y = jnp.where(mine[:, None], ye.astype(jnp.bfloat16).astype(jnp.float32), y)
+    return y
+
+
+def _head_rows(x: Any, w: Fp8Tensor) -> tuple[Any, int, int]:
+    """x [..., H, K] -> ([H * M, K] rows sorted by head, M, H)."""
+    h, _, k = w.w.shape
+    if x.ndim < 2 or x.shape[-2:] != (h, k):
+        raise ValueError(
+            f"fp8_head_linear: x must be [..., {h}, {k}] for w {tuple(w.w.shape)}, got {tuple(x.shape)}"
+        )
+    x3 = x.reshape(-1, h, k)
+    return jnp.swapaxes(x3, 0, 1).reshape(-1, k), x3.shape[0], h
+
+
+def fp8_head_linear(x: Any, w: Fp8Tensor, *, interpret: bool = False) -> jax.Array:
+    """The bf16 policy's per-head FP8 hook (Precision.fp8_head_matmul; the absorbed MLA's
+    W_uk / W_uv): x [..., H, K], w Fp8Tensor [H, N, K] -> [..., H, N] f32: the heads are the
+    groups of one fp8_grouped_linear call (M rows each)."""
+    rows, m, h = _head_rows(x, w)
+    y = fp8_grouped_linear(rows, w, np.full((h,), m, np.int32), interpret=interpret)
+    return jnp.swapaxes(y.reshape(h, m, -1), 0, 1).reshape(*x.shape[:-1], -1)
+
+
+def fp8_head_linear_ref(x: Any, w: Fp8Tensor) -> jax.Array:
+    rows, m, h = _head_rows(x, w)
+    y = fp8_grouped_linear_ref(rows, w, np.full((h,), m, np.int32))
+    return jnp.swapaxes(y.reshape(h, m, -1), 0, 1).reshape(*x.shape[:-1], -1)

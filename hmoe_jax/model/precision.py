@@ -4,10 +4,13 @@ and which matmul implementations consume the weights.
 - `bf16` (default for serving): activations, hidden hops and the latent cache in bf16;
   every matmul accumulates in f32 (`preferred_element_type`); norms, softmax, the router
   and the online-softmax statistics in f32. FP8 weights stay FP8 and are consumed inside
-  the matmul: on a backend with the hooks set (the CPU stand-in: our FFI kernels, which
-  round activations to bf16 exactly like this policy) no dequantised copy exists at all;
-  elsewhere (XLA:GPU) a weight is dequantised to bf16 inside the computation that uses it,
-  one matrix at a time (never a whole-layer or lm_head f32 copy).
+  the matmul: on the CPU stand-in by our FFI kernels (which round activations to bf16
+  exactly like this policy); on a GPU (engine.precision_for) by the block-scaled FP8 GEMMs
+  of kernels/fp8_gemm.py, which also quantise the activations to e4m3 per token per 128
+  channels (DeepSeek's own inference): fp8_matmul for [N, K] weights, fp8_grouped_matmul
+  for the SLP ring slot's experts (rows sorted by expert), fp8_head_matmul for the absorbed
+  MLA's per-head halves of kv_b. A weight no hook covers is dequantised to bf16 inside the
+  computation that uses it, one matrix at a time (never a whole-layer or lm_head f32 copy).
 - `f32`: everything in f32 with f32 weights dequantised in f32: the HF-parity policy
   (tests compare it with transformers at 1e-4).
 
@@ -26,6 +29,8 @@ import jax.numpy as jnp
 
 # hook(x [..., K], w) -> [..., N] f32
 MatmulFn = Callable[[Any, Any], Any]
+# hook(x [M, K] rows sorted by group, w Fp8Tensor [G, N, K], group_sizes [G]) -> [M, N] f32
+GroupedMatmulFn = Callable[[Any, Any, Any], Any]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +44,7 @@ class Precision:
     fp8_matmul: MatmulFn | None = None  # Fp8Tensor [N, K] weights
     bf16_matmul: MatmulFn | None = None  # bf16 [N, K] weights (lm_head)
     fp8_head_matmul: MatmulFn | None = None  # Fp8Tensor [H, N, K] per-head weights (absorbed MLA)
+    fp8_grouped_matmul: GroupedMatmulFn | None = None  # Fp8Tensor [G, N, K] expert groups (SLP)
 
     @property
     def exact(self) -> bool:
@@ -61,17 +67,31 @@ POLICIES = ("bf16", "f32")
 
 
 def policy(
-    name: str, *, cpu: bool, accel_fp8_matmul: MatmulFn | None = None, **hooks: MatmulFn | None
+    name: str,
+    *,
+    cpu: bool,
+    accel_fp8_matmul: MatmulFn | None = None,
+    accel_fp8_grouped_matmul: GroupedMatmulFn | None = None,
+    accel_fp8_head_matmul: MatmulFn | None = None,
+    **hooks: MatmulFn | None,
 ) -> Precision:
     """The named policy for a backend: `cpu` selects f32 activation dots (XLA:CPU) and
-    allows matmul hooks (our FFI kernels run on CPU devices only). `accel_fp8_matmul` is
-    the accelerator's FP8 GEMM (kernels.fp8_gemm.fp8_linear): the bf16 policy on a non-CPU
-    backend consumes FP8 weights through it instead of a bf16 dequantisation. It is ignored
-    on CPU, so the CPU policy is the same object with or without it."""
+    allows the CPU matmul hooks (`hooks`: our FFI kernels run on CPU devices only). The
+    accel_* hooks are the accelerator's FP8 GEMMs (kernels.fp8_gemm: fp8_linear,
+    fp8_grouped_linear, fp8_head_linear): the bf16 policy on a non-CPU backend consumes FP8
+    weights through them instead of a bf16 dequantisation. They are ignored on CPU, so the
+    CPU policy is the same object with or without them (tests build the GPU policy on CPU
+    with cpu=False and the kernels' interpret or `_ref` forms)."""
     if name == "f32":
         return F32
     if name != "bf16":
         raise ValueError(f"precision {name!r}: expected one of {POLICIES}")
     if cpu:
         return dataclasses.replace(BF16_CPU, **hooks)
-    return dataclasses.replace(BF16, fp8_matmul=accel_fp8_matmul) if accel_fp8_matmul is not None else BF16
+    accel = {
+        "fp8_matmul": accel_fp8_matmul,
+        "fp8_grouped_matmul": accel_fp8_grouped_matmul,
+        "fp8_head_matmul": accel_fp8_head_matmul,
+    }
+    accel = {k: v for k, v in accel.items() if v is not None}
+    return dataclasses.replace(BF16, **accel) if accel else BF16

@@ -17,6 +17,7 @@ from hmoe_jax.model.moe import route
 from hmoe_jax.model.params import ExpertsParams, FFNParams, LayerParams, MLAParams, ModelParams
 from hmoe_jax.model.precision import F32, Precision
 from hmoe_jax.plan.memory import FFN_CHUNK_TOKENS
+from hmoe_jax.quant.fp8 import Fp8Tensor
 
 ATTN_STATIC = ("cfg", "prec", "kv_len", "form", "q_block", "k_block")
 
@@ -228,10 +229,13 @@ def experts_group(
     expert-sorted order, starting at `off` (host-known from the layer's offsets), sizes [G]
     rows per expert, padded to the static `rows` (row_bucket) and masked. The rows run
     through jax.lax.ragged_dot (gate, up, down) with the per-expert sizes; FP8 weights are
-    dequantized inside this computation (no f32 copy of the weights outlives it). XLA's GPU
-    lowering of ragged_dot is a grouped kernel; on CPU it is dense per group (G x the rows'
-    FLOPs), which only the stand-in pays. `acc` (f32) is donated: updated in place, never
-    copied per group. Under a bf16 policy the weights are dequantised to bf16 and the dots
+    dequantized inside this computation (no f32 copy of the weights outlives it); on CPU
+    ragged_dot is dense per group (G x the rows' FLOPs), which only the stand-in pays.
+    Under a policy with a grouped FP8 hook (the bf16 policy on a GPU) FP8 groups instead go
+    through it (kernels/fp8_gemm.fp8_grouped_linear: e4m3 activations per token per 128
+    channels, each expert's rows against its own FP8 weight, no bf16 weight copy, no dense
+    expansion). `acc` (f32) is donated: updated in place, never copied per group. Under a
+    bf16 policy without the hook the weights are dequantised to bf16 and the dots
     accumulate in f32 (f32 on XLA:CPU, which has no bf16 x bf16 -> f32 dot).
     """
     wdt = jnp.float32 if prec.exact else prec.dot_dtype
@@ -239,15 +243,22 @@ def experts_group(
     n = sizes.sum()
     idx = jnp.minimum(off + jnp.arange(rows, dtype=jnp.int32), m - 1)  # [rows]
     tok = token[idx]
-    xs = x[tok].astype(wdt)  # [rows, D]
-    gw = dense_weight(group.gate, wdt).transpose(0, 2, 1)  # [G, D, I]
-    uw = dense_weight(group.up, wdt).transpose(0, 2, 1)
-    dw = dense_weight(group.down, wdt).transpose(0, 2, 1)  # [G, I, D]
     f32 = jnp.float32
-    g = jax.lax.ragged_dot(xs, gw, sizes, preferred_element_type=f32)
-    u = jax.lax.ragged_dot(xs, uw, sizes, preferred_element_type=f32)
-    hid = (jax.nn.silu(g) * u).astype(prec.act_dtype if not prec.exact else f32).astype(wdt)  # [rows, I]
-    y = jax.lax.ragged_dot(hid, dw, sizes, preferred_element_type=f32)  # [rows, D]
+    hid_dt = f32 if prec.exact else prec.act_dtype
+    if prec.fp8_grouped_matmul is not None and isinstance(group.gate, Fp8Tensor):
+        mm = prec.fp8_grouped_matmul
+        xs = x[tok].astype(prec.act_dtype)  # [rows, D]
+        g, u = mm(xs, group.gate, sizes), mm(xs, group.up, sizes)  # [rows, I] f32
+        y = mm((jax.nn.silu(g) * u).astype(hid_dt), group.down, sizes)  # [rows, D] f32
+    else:
+        xs = x[tok].astype(wdt)  # [rows, D]
+        gw = dense_weight(group.gate, wdt).transpose(0, 2, 1)  # [G, D, I]
+        uw = dense_weight(group.up, wdt).transpose(0, 2, 1)
+        dw = dense_weight(group.down, wdt).transpose(0, 2, 1)  # [G, I, D]
+        g = jax.lax.ragged_dot(xs, gw, sizes, preferred_element_type=f32)
+        u = jax.lax.ragged_dot(xs, uw, sizes, preferred_element_type=f32)
+        hid = (jax.nn.silu(g) * u).astype(hid_dt).astype(wdt)  # [rows, I]
+        y = jax.lax.ragged_dot(hid, dw, sizes, preferred_element_type=f32)  # [rows, D]
     keep = jnp.arange(rows) < n
     y = y * jnp.where(keep, wts[idx], 0.0)[:, None]
     return acc.at[tok].add(jnp.where(keep[:, None], y, 0.0))
