@@ -85,11 +85,8 @@ def _walk(cfg, prec, q2, qr2, qpos2, k_buf, r_buf, v_buf, n_a, n_b, trips: int, 
     loop of `trips` key-block steps: step j < n_a is (block 0, key block j), else (block 1,
     key block j - n_a), and steps past n_a + n_b are masked whole. q2 [2, b, Hg, dn],
     qr2 [2, b, Hg, dr] (dot dtype), qpos2 [2, b]; buffers [n_kb, b, Hg, dn | dv], r_buf
-    [n_kb, b, dr] -> ([2, b, Hg, dv] f32 (normalised), the buffers). Every query sees
-    key 0 in its block's first step, so the running max is finite before any fully masked
-    step. The buffers ride in the loop's carry and come back out, so the caller chains them
-    into the next walk: a loop-invariant operand that is read again after the loop gets a
-    copy per loop from XLA (measured on XLA:CPU: every K/V buffer twice)."""
+    [n_kb, b, dr] -> [2, b, Hg, dv] f32 (normalised). Every query sees key 0 in its
+    block's first step, so the running max is finite before any fully masked step."""
     n_kb = k_buf.shape[0]
     hg, dv = q2.shape[2], v_buf.shape[-1]
     dt = prec.dot_dtype
@@ -99,7 +96,7 @@ def _walk(cfg, prec, q2, qr2, qpos2, k_buf, r_buf, v_buf, n_a, n_b, trips: int, 
     )
 
     def body(j, carry):
-        (m, l_sum, acc), (k_buf, r_buf, v_buf) = carry
+        m, l_sum, acc = carry
         which = (j >= n_a).astype(jnp.int32)
         kb = jnp.where(which == 1, j - n_a, j)
         valid = jnp.where(which == 1, kb < n_b, True)
@@ -115,14 +112,14 @@ def _walk(cfg, prec, q2, qr2, qpos2, k_buf, r_buf, v_buf, n_a, n_b, trips: int, 
         corr = jnp.exp(m_old - m_new)
         l_new = l_sum[which] * corr + pr.sum(-1)
         a_new = acc[which] * corr[..., None] + dot("qhk,khd->qhd", pr, v_buf[kb])
-        stats = (m.at[which].set(m_new), l_sum.at[which].set(l_new), acc.at[which].set(a_new))
-        return stats, (k_buf, r_buf, v_buf)
+        return m.at[which].set(m_new), l_sum.at[which].set(l_new), acc.at[which].set(a_new)
 
-    # built from the queries so the carry has their type (varying over the ranks)
-    zero = jnp.zeros_like(q2[..., 0], dtype=jnp.float32)  # [2, b, Hg]
+    # built from the positions (rank-dependent) so the carry has the body's type: varying
+    # over the ranks (q itself may come typed invarying out of an FFI matmul hook)
+    zero = jnp.zeros((2, b, hg), jnp.float32) + (qpos2 * 0).astype(jnp.float32)[..., None]
     init = (zero - jnp.inf, zero, jnp.zeros((2, b, hg, dv), jnp.float32) + zero[..., None])
-    (_, l_sum, acc), bufs = lax.fori_loop(0, trips, body, (init, (k_buf, r_buf, v_buf)))
-    return acc / l_sum[..., None], bufs
+    _, l_sum, acc = lax.fori_loop(0, trips, body, init)
+    return acc / l_sum[..., None]
 
 
 def cp_attention_block(
@@ -226,7 +223,7 @@ def cp_attention_block(
                 qpos2 = qpos_all[:, i * b : (i + 1) * b]
                 n_a = jnp.minimum(n_kb, (chunk_a * c + (i + 1) * b + b - 1) // b)
                 n_b = jnp.minimum(n_kb, (chunk_b * c + (i + 1) * b + b - 1) // b)
-                o, (k_buf, r_buf, v_buf) = _walk(
+                o = _walk(
                     cfg,
                     prec,
                     q[..., :dn].astype(dt),
