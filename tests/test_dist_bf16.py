@@ -12,9 +12,10 @@ walk's static key-block counts.
 
 Tolerance: bf16 keeps 8 significant bits (relative rounding 2^-9); e4m3 activations keep 4
 (2^-4 per element, averaged over K-long sums). Hidden states pass ~10 rounded ops per
-layer; we allow 2^-4 of max|ref| for bf16 logits (observed ~1e-2) and 2^-3 for the e4m3
-MoE output (observed ~4e-2), both far above f32 rounding and far below an error that
-changes a result's structure (a wrong expert or a dropped pair is O(1)).
+layer; we allow 2^-4 of max|ref| for bf16 logits and 2^-3 for the MoE output with e4m3
+activations (observed 5.1e-2; 5.0e-3 under the stand-in's bf16 policy), both far above f32
+rounding and far below an error that changes a result's structure (a wrong expert or a
+dropped pair is O(1)).
 """
 
 from __future__ import annotations
@@ -65,7 +66,9 @@ def _case():
 
 def test_bf16_dslp_prefill_matches_f32_reference_and_greedy_tokens():
     params, prompt, ref_logits = _case()
-    eng = Engine(params, CFG, devices=2, system=SystemSpec(num_accelerators=2), expert_fn="ref", precision="bf16")
+    eng = Engine(
+        params, CFG, devices=2, system=SystemSpec(num_accelerators=2), expert_fn="ref", precision="bf16"
+    )
     assert eng.prec.name == "bf16"
     logits, run, _, plan = eng.prefill(np.asarray(prompt), eng.new_cache(MAX_LEN), "dslp", all_logits=True)
     assert plan.meta["compute_dtype"] == "bf16" and plan.meta["precision"] == "bf16"
@@ -88,7 +91,9 @@ def test_smallep_under_bf16_policy_matches_f32_moe_block(prec_name):
     x = np.random.default_rng(5).standard_normal((t, CFG.hidden_size)).astype(np.float32)
     x_bf = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))  # the same input, rounded
     ref = moe_block(moe, CFG, jnp.asarray(x_bf), experts_ref)
-    fn = grouped_experts_fn(None, 8192, prec) if prec.fp8_grouped_matmul else grouped_experts_fn(2, 8192, prec)
+    fn = (
+        grouped_experts_fn(None, 8192, prec) if prec.fp8_grouped_matmul else grouped_experts_fn(2, 8192, prec)
+    )
     specs = MoEParams(
         router=P(), router_bias=P(), experts=jax.tree.map(lambda _: P(AXIS), moe.experts), shared=P()
     )
@@ -133,6 +138,12 @@ def test_cp_key_blocks_cover_every_rank_and_are_exact_when_blocks_divide_chunks(
             trips = cp_key_blocks(chunk, ranks, b)
             need = [_needed_key_blocks(chunk, ranks, b, r) for r in range(ranks)]
             for r in range(ranks):
-                assert all(t >= nd for t, nd in zip(trips, need[r], strict=True)), (chunk, b, r, trips, need[r])
+                assert all(t >= nd for t, nd in zip(trips, need[r], strict=True)), (
+                    chunk,
+                    b,
+                    r,
+                    trips,
+                    need[r],
+                )
             if chunk % b == 0:  # zig-zag balance: every rank needs exactly the trip count
                 assert all(nd == trips for nd in need), (chunk, b, trips, need)

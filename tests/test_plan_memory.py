@@ -124,7 +124,7 @@ def test_dslp_fits_two_large_accelerators(capsys, tmp_path):
     f.write_text(paper.replace("mem_bytes = { value = 34359738368,", f"mem_bytes = {{ value = {80 * GIB},"))
     assert f.read_text() != paper
     rc, rec = _plan(capsys, "--system", str(f), "--schedule", "dslp", "--prompt-len", "4096", "--no-measure")
-    assert rc == 0 and rec["fits"] is True and rec["est_prefill_s"] > 0 and rec["compute_dtype"] == "fp32"
+    assert rc == 0 and rec["fits"] is True and rec["est_prefill_s"] > 0 and rec["compute_dtype"] == "bf16"
 
 
 @pytest.mark.parametrize(
