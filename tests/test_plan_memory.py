@@ -211,10 +211,14 @@ def test_one_layer_prefill_pieces_at_32k_stay_bounded():
 
 def test_one_layer_dslp_pieces_at_32k_on_two_ranks_stay_bounded():
     """memory_analysis() per rank of one real DeepSeek-V3 layer's dslp pieces at 32768
-    tokens on 2 stand-in ranks (f32, FP8 weights; parallel/). Before the blocked versions:
-    attention 104.8 GiB (dense [H, C, C] chunk scores), SmallEP 76.3 GiB (all T k pairs).
-    Bounds: attention and MoE < 3 GiB, dense FFN < 3 GiB (token blocks), and the MoE piece's
-    operands are the rank's E/N experts plus the layer (no second copy of the stack)."""
+    tokens on 2 stand-in ranks under the GPU policy's dtypes (BF16: bf16 activations, cache,
+    K/V buffers and dot operands, FP8 weights; the plan's block and 2 head groups; XLA:CPU
+    without loop-invariant code motion, compile_probe.CPU_DSLP_COMPILER_OPTIONS says why).
+    Before the blocked versions: attention 104.8 GiB (dense [H, C, C] chunk scores), SmallEP
+    76.3 GiB (all T k pairs); with the head groups unrolled, 4.6 GiB (both groups' K/V and
+    every query block's q live at once). Bounds: attention and MoE < 3 GiB, dense FFN < 3 GiB
+    (token blocks), and the MoE piece's operands are the rank's E/N experts plus the layer
+    (no second copy of the stack)."""
     probes = C.probe_dslp_pieces(V3, 32768, 2)
     temp = {k: p.temp_bytes for k, p in probes.items()}
     assert temp["attention"] < 3 * GIB and temp["moe"] < 3 * GIB and temp["dense_ffn"] < 3 * GIB, temp

@@ -118,9 +118,11 @@ def abstract_layer(cfg: ModelConfig, layer: int, prec: Precision) -> LayerParams
     )
 
 
-def _probe(name: str, fn: Any, *args: Any, **kwargs: Any) -> PieceProbe:
+def _probe(
+    name: str, fn: Any, *args: Any, compiler_options: dict[str, str] | None = None, **kwargs: Any
+) -> PieceProbe:
     t0 = time.perf_counter()
-    compiled = fn.lower(*args, **kwargs).compile()
+    compiled = fn.lower(*args, **kwargs).compile(compiler_options=compiler_options)
     secs = time.perf_counter() - t0
     m = compiled.memory_analysis()
     cost = compiled.cost_analysis()
@@ -339,21 +341,39 @@ def probe_slp_pieces(
     return _CACHE[key]
 
 
-def probe_dslp_pieces(cfg: ModelConfig, tokens: int, ranks: int) -> dict[str, PieceProbe]:
+# XLA:CPU runs a bf16 x bf16 -> f32 dot_general inside a while body (the CP walk's key-block
+# loop) as an f32 dot: it converts the operands to f32, and while-loop-invariant code motion
+# then hoists the convert of a loop-invariant operand out of the loop, a full f32 copy of it.
+# For the CP walk these are the K_nope and V buffers of a head group (2 x 1 GiB at 32K on 2
+# ranks) and the FP8 weights' f16 dequantisation. XLA:GPU runs bf16 dots natively (cuBLAS,
+# no convert) and the bf16 policy's FP8 GEMM hook reads FP8, so neither copy exists there.
+# The dslp probe compiles for XLA:CPU without that pass: the converts stay inside the loop,
+# fused into the dot's operand (one key block's worth), as the loop a GPU runs.
+CPU_DSLP_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
+
+
+def probe_dslp_pieces(
+    cfg: ModelConfig, tokens: int, ranks: int, prec: Precision = BF16
+) -> dict[str, PieceProbe]:
     """dslp's per-rank pieces (parallel/prefill.py) compiled over a mesh of the first `ranks`
     devices of the default backend, operands sharded as the executor shards them (layer
-    weights replicated, the rank's E/N experts, the zig-zag hidden states): attention,
-    moe (SmallEP), dense_ffn, final. memory_analysis() of an SPMD executable is per device.
-    Needs `ranks` devices (on CPU: jax_num_cpu_devices set before jax starts). Cached."""
+    weights replicated, the rank's E/N experts, the zig-zag hidden states), under `prec`
+    (default BF16: the GPU policy's dtypes, bf16 activations, cache, K/V buffers and dot
+    operands with f32 accumulation; FP8 weights without a hook are dequantised to bf16 one
+    matrix at a time inside the piece) and with the plan's walk block and head groups
+    (plan.costs.cp_block / cp_head_groups, as schedules/dslp.py): attention, moe (SmallEP),
+    dense_ffn, final. memory_analysis() of an SPMD executable is per device. On XLA:CPU
+    without while-loop-invariant code motion (CPU_DSLP_COMPILER_OPTIONS: why). Needs
+    `ranks` devices (on CPU: jax_num_cpu_devices set before jax starts). Cached."""
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from hmoe_jax.model.precision import F32 as F32_POLICY
     from hmoe_jax.parallel.mesh import AXIS
-    from hmoe_jax.parallel.prefill import DEFAULT_EXPERT_FN, attn_fn, ffn_fn, last_logits_fn
+    from hmoe_jax.parallel.prefill import attn_fn, ffn_fn, grouped_expert_fn, last_logits_fn
+    from hmoe_jax.plan import costs
     from hmoe_jax.plan.dist import ZigzagLayout
 
-    key = ("dslp", cfg, int(tokens), int(ranks))
+    key = ("dslp", cfg, int(tokens), int(ranks), prec)
     if key in _CACHE:
         return _CACHE[key]
     devs = jax.devices()
@@ -363,34 +383,42 @@ def probe_dslp_pieces(cfg: ModelConfig, tokens: int, ranks: int) -> dict[str, Pi
         )
     mesh = Mesh(np.array(devs[:ranks]), (AXIS,))
     lay = ZigzagLayout.for_sequence(tokens, ranks)
+    act_bytes = jnp.dtype(prec.act_dtype).itemsize
+    block = costs.cp_block(lay.chunk)
+    groups = costs.cp_head_groups(cfg, lay.padded_len, act_bytes)
+    opts = CPU_DSLP_COMPILER_OPTIONS if devs[0].platform == "cpu" else None
 
     def placed(tree: Any, spec: Any) -> Any:
         sh = NamedSharding(mesh, spec)
         return jax.tree_util.tree_map(lambda x: SDS(x.shape, x.dtype, sharding=sh), tree)
 
-    h = SDS((1, lay.padded_len, cfg.hidden_size), F32, sharding=NamedSharding(mesh, P(None, AXIS)))
+    h = SDS(
+        (1, lay.padded_len, cfg.hidden_size), prec.act_dtype, sharding=NamedSharding(mesh, P(None, AXIS))
+    )
     out: dict[str, PieceProbe] = {}
     moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
     dense = [i for i in range(cfg.num_hidden_layers) if not cfg.is_moe_layer(i)]
-    first = placed(abstract_layer(cfg, (moe or dense)[0], F32_POLICY), P())
-    out["attention"] = _probe("attention", attn_fn(mesh, cfg, lay), first, h)
+    first = placed(abstract_layer(cfg, (moe or dense)[0], prec), P())
+    f = attn_fn(mesh, cfg, lay, prec, block, groups)
+    out["attention"] = _probe("attention", f, first, h, compiler_options=opts)
     if moe:
         # FP8 leaves as the executor passes them (uint8 views, parallel.moe.expert_bytes_view)
         as_bytes = lambda a: SDS(a.shape, jnp.uint8) if a.dtype == FP8_DTYPE else a
         experts = placed(
             jax.tree_util.tree_map(as_bytes, abstract_experts(cfg, cfg.n_routed_experts)), P(AXIS)
         )
-        f = ffn_fn(mesh, cfg, True, "smallep", DEFAULT_EXPERT_FN, None)
-        out["moe"] = _probe("moe", f, first, experts, h)
+        f = ffn_fn(mesh, cfg, True, "smallep", grouped_expert_fn(prec), None, prec)
+        out["moe"] = _probe("moe", f, first, experts, h, compiler_options=opts)
     if dense:
-        f = ffn_fn(mesh, cfg, False, "smallep", DEFAULT_EXPERT_FN, None)
-        out["dense_ffn"] = _probe(
-            "dense_ffn", f, placed(abstract_layer(cfg, dense[0], F32_POLICY), P()), None, h
-        )
+        f = ffn_fn(mesh, cfg, False, "smallep", grouped_expert_fn(prec), None, prec)
+        layer = placed(abstract_layer(cfg, dense[0], prec), P())
+        out["dense_ffn"] = _probe("dense_ffn", f, layer, None, h, compiler_options=opts)
     head = SDS((cfg.vocab_size, cfg.hidden_size), jnp.bfloat16 if cfg.quant is not None else F32)
     rank, local = lay.owner_of_last
-    fin = last_logits_fn(cfg, rank * lay.local_len + local)
-    out["final"] = _probe("final", fin, placed(SDS((cfg.hidden_size,), F32), P()), placed(head, P()), h)
+    fin = last_logits_fn(cfg, rank * lay.local_len + local, prec)
+    out["final"] = _probe(
+        "final", fin, placed(SDS((cfg.hidden_size,), F32), P()), placed(head, P()), h, compiler_options=opts
+    )
     _CACHE[key] = out
     return out
 
@@ -401,6 +429,7 @@ def piece_temps(probes: dict[str, PieceProbe]) -> dict[str, int]:
 
 
 __all__ = [
+    "CPU_DSLP_COMPILER_OPTIONS",
     "PieceProbe",
     "abstract_experts",
     "abstract_layer",

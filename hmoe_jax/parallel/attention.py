@@ -19,7 +19,9 @@ accumulation.
 
 Head groups (G, plan.costs.cp_head_groups): heads are independent, so the K/V buffers,
 queries and walk run for H/G heads at a time and o_proj is accumulated over the groups in
-f32; G bounds the buffer (1 GiB) at long prompts without changing any FLOP count.
+f32; G bounds the buffer (1 GiB) at long prompts without changing any FLOP count. The
+groups are a lax.scan whose carry is the f32 output accumulator: a loop body's buffers are
+allocated once, so only one group's K/V is ever live (unrolled, XLA kept every group's).
 
 Precision: the engine's Precision (model/precision.py). F32 runs the f32 path of the
 model's reference (tests: ~1e-6 rel vs model.mla); the bf16 policy keeps activations and
@@ -50,34 +52,32 @@ def _lin32(x: jax.Array, w, prec: Precision) -> jax.Array:
     return policy_linear(x.astype(prec.act_dtype), w, prec)
 
 
-def _slice_out(w, lo: int, hi: int, prec: Precision):
-    """Rows [lo, hi) of a [N, K] weight (the output features of some heads). An Fp8Tensor
-    stays FP8 when the cut falls on its scale blocks; otherwise (tiny test models) the
-    rows are dequantised to the policy's weight dtype."""
+def _group_weight(w, g: jax.Array, size: int, axis: int):
+    """Head group g's slice of a weight: `size` rows (axis 0: kv_b, q_b outputs) or columns
+    (axis 1: o_proj inputs) from g * size, g traced (the group scan's index). An Fp8Tensor
+    stays FP8 (dynamic slices of the e4m3 values and their scales) when the groups fall on
+    its scale blocks: the FP8 hook then reads FP8, as for the whole weight. Otherwise (tiny
+    test models) it was dequantised to the policy's weight dtype by _group_ready."""
     if isinstance(w, Fp8Tensor):
-        if lo % w.block_n == 0 and (hi % w.block_n == 0 or hi == w.w.shape[0]):
-            return Fp8Tensor(
-                w=w.w[lo:hi],
-                scale_inv=w.scale_inv[lo // w.block_n : -(-hi // w.block_n)],
-                block_n=w.block_n,
-                block_k=w.block_k,
-            )
-        return dense_weight(w, jnp.float32 if prec.exact else jnp.bfloat16)[lo:hi]
-    return jnp.asarray(w)[lo:hi]
+        blk = w.block_n if axis == 0 else w.block_k
+        return Fp8Tensor(
+            w=lax.dynamic_slice_in_dim(w.w, g * size, size, axis),
+            scale_inv=lax.dynamic_slice_in_dim(w.scale_inv, g * (size // blk), size // blk, axis),
+            block_n=w.block_n,
+            block_k=w.block_k,
+        )
+    return lax.dynamic_slice_in_dim(w, g * size, size, axis)
 
 
-def _slice_in(w, lo: int, hi: int, prec: Precision):
-    """Columns [lo, hi) of a [N, K] weight (o_proj's inputs of some heads); as _slice_out."""
+def _group_ready(w, size: int, axis: int, prec: Precision):
+    """w as _group_weight slices it: an Fp8Tensor whose scale blocks the groups do not
+    divide whole is dequantised once (f32 for the exact policy, else bf16)."""
     if isinstance(w, Fp8Tensor):
-        if lo % w.block_k == 0 and (hi % w.block_k == 0 or hi == w.w.shape[1]):
-            return Fp8Tensor(
-                w=w.w[:, lo:hi],
-                scale_inv=w.scale_inv[:, lo // w.block_k : -(-hi // w.block_k)],
-                block_n=w.block_n,
-                block_k=w.block_k,
-            )
-        return dense_weight(w, jnp.float32 if prec.exact else jnp.bfloat16)[:, lo:hi]
-    return jnp.asarray(w)[:, lo:hi]
+        blk = w.block_n if axis == 0 else w.block_k
+        if size % blk == 0:
+            return w
+        return dense_weight(w, jnp.float32 if prec.exact else jnp.bfloat16)
+    return jnp.asarray(w)
 
 
 def _walk(cfg, prec, q2, qr2, qpos2, k_buf, r_buf, v_buf, n_a, n_b, trips: int, b: int):
@@ -115,8 +115,10 @@ def _walk(cfg, prec, q2, qr2, qpos2, k_buf, r_buf, v_buf, n_a, n_b, trips: int, 
         return m.at[which].set(m_new), l_sum.at[which].set(l_new), acc.at[which].set(a_new)
 
     # built from the positions (rank-dependent) so the carry has the body's type: varying
-    # over the ranks (q itself may come typed invarying out of an FFI matmul hook)
-    zero = jnp.zeros((2, b, hg), jnp.float32) + (qpos2 * 0).astype(jnp.float32)[..., None]
+    # over the ranks (q itself may come typed invarying out of an FFI matmul hook), and
+    # from q (a float times 0 is not folded: NaN semantics) so the carry is created when
+    # this block's q is, not hoisted to the start with every other block's
+    zero = (q2[..., 0].astype(jnp.float32) * 0) + (qpos2 * 0).astype(jnp.float32)[..., None]
     init = (zero - jnp.inf, zero, jnp.zeros((2, b, hg, dv), jnp.float32) + zero[..., None])
     _, l_sum, acc = lax.fori_loop(0, trips, body, init)
     return acc / l_sum[..., None]
@@ -189,6 +191,9 @@ def cp_attention_block(
 
     q_w = p.q if cfg.q_lora_rank is None else p.q_b
     pad_q = ((0, 0), (0, n_qb * b - c), (0, 0))
+    kv_b_w = _group_ready(p.kv_b, hg * (dn + dv), 0, prec)
+    q_w_g = _group_ready(q_w, hg * qk, 0, prec)
+    o_w_g = _group_ready(p.o, hg * dv, 1, prec)
     # natural positions of the padded query rows: [2, n_qb b]
     qpos_all = jnp.stack([chunk_a * c, chunk_b * c])[:, None] + jnp.arange(n_qb * b, dtype=jnp.int32)[None]
     qcos, qsin = rope_cos_sin(cfg, qpos_all)  # [2, n_qb b, dr/2]
@@ -199,25 +204,29 @@ def cp_attention_block(
         )
         lat_k = jnp.pad(lat[bi], ((0, n_kb * b - s_pad), (0, 0))).reshape(n_kb, b, r_dim)
         r_buf = jnp.pad(rop[bi], ((0, n_kb * b - s_pad), (0, 0))).reshape(n_kb, b, dr).astype(dt)
-        out = jnp.zeros((2, n_qb * b, d), jnp.float32)
-        for g in range(head_groups):
-            kv_b = _slice_out(p.kv_b, g * hg * (dn + dv), (g + 1) * hg * (dn + dv), prec)
-            qw = _slice_out(q_w, g * hg * qk, (g + 1) * hg * qk, prec)
-            o_w = _slice_in(p.o, g * hg * dv, (g + 1) * hg * dv, prec)
+        def group(out, g, qin=qin, lat_k=lat_k, r_buf=r_buf):
+            # One head group: expand its K/V, walk every query-block pair, add its o_proj
+            # share to the f32 accumulator carried through the scan. A scan (not a Python
+            # loop) because a loop body's buffers are allocated once and reused: XLA holds
+            # ONE group's K/V buffers, not every group's (unrolled, it kept both groups'
+            # expansions live at 32K, 4 GiB on XLA:CPU for a 1 GiB design).
+            kv_b = _group_weight(kv_b_w, g, hg * (dn + dv), 0)
+            qw = _group_weight(q_w_g, g, hg * qk, 0)
+            o_w = _group_weight(o_w_g, g, hg * dv, 1)
 
-            def expand(lat_blk, kv_b=kv_b):
+            def expand(lat_blk):
                 e = _lin32(lat_blk, kv_b, prec).reshape(b, hg, dn + dv).astype(dt)
                 return e[..., :dn], e[..., dn:]
 
-            # kv_b once per key block of the row: [n_kb, b, Hg, dn] and [n_kb, b, Hg, dv]. The
-            # barrier orders group g's expansion after group g-1's walks (else the scheduler
-            # may expand every group first and hold all buffers: the point of groups lost).
-            lat_g, out = lax.optimization_barrier((lat_k, out))
-            _, (k_buf, v_buf) = lax.scan(lambda cr, lb: (cr, expand(lb)), None, lat_g)
+            # kv_b once per key block of the row: [n_kb, b, Hg, dn] and [n_kb, b, Hg, dv]
+            _, (k_buf, v_buf) = lax.scan(lambda cr, lb: (cr, expand(lb)), None, lat_k)
             for i, n_i in enumerate(trips):
-                # the barrier makes block i wait for block i-1's output (as model.attention's
-                # static walk): otherwise every block's q and accumulator may be live at once
-                qb, out = lax.optimization_barrier((qin[:, i * b : (i + 1) * b], out))
+                # block i reads block i-1's output (a float times 0 is not folded): this data
+                # dependency orders the blocks, so one block's q and walk state is live at a
+                # time. (An optimization_barrier does not: XLA:CPU drops it before scheduling
+                # and computed all 16 blocks' q [2b, Hg qk] f32 first at 32K, 0.75 GiB.)
+                tie = (out[0, 0, :1] * 0).astype(act)
+                qb = qin[:, i * b : (i + 1) * b] + tie
                 q = _lin32(qb, qw, prec).reshape(2, b, hg, qk)
                 qr = apply_rope(q[..., dn:], qcos[:, i * b : (i + 1) * b], qsin[:, i * b : (i + 1) * b])
                 qpos2 = qpos_all[:, i * b : (i + 1) * b]
@@ -239,5 +248,11 @@ def cp_attention_block(
                 )
                 o = _lin32(o.astype(act).reshape(2 * b, hg * dv), o_w, prec).reshape(2, b, d)
                 out = lax.dynamic_update_slice(out, out[:, i * b : (i + 1) * b] + o, (0, i * b, 0))
+            return out, None
+
+        # the carry is rank-varying (built from the positions, as _walk's), like what the
+        # body adds to it
+        out0 = jnp.zeros((2, n_qb * b, d), jnp.float32) + (pos[0] * 0).astype(jnp.float32)
+        out, _ = lax.scan(group, out0, jnp.arange(head_groups, dtype=jnp.int32))
         rows.append(jnp.concatenate([out[0, :c], out[1, :c]], axis=0).astype(act))
     return h_local.astype(act) + jnp.stack(rows), lat, rop
