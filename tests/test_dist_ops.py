@@ -21,10 +21,12 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from hmoe_jax.config import QuantConfig
 from hmoe_jax.model.model import attention_block
 from hmoe_jax.model.moe import experts_ref, moe_block, route
 from hmoe_jax.model.params import MoEParams
-from hmoe_jax.parallel.attention import cp_attention_block
+from hmoe_jax.model.precision import F32
+from hmoe_jax.parallel.attention import _group_ready, cp_attention_block
 from hmoe_jax.parallel.mesh import AXIS, make_mesh
 from hmoe_jax.parallel.moe import ep_moe, experts_grouped, grouped_experts_fn, smallep_moe
 from hmoe_jax.plan.dist import (
@@ -36,6 +38,7 @@ from hmoe_jax.plan.dist import (
     smallep_beats_ep,
     smallep_comm,
 )
+from hmoe_jax.quant.fp8 import Fp8Tensor
 from hmoe_jax.runtime.synthetic import random_params
 from tests.helpers import assert_close, model_config
 
@@ -65,12 +68,13 @@ def test_zigzag_layout_exhaustive(n):
 
 
 # 13 is a multiple of 2N for no N: padded and masked; 16 is one for every N here.
-# attn: the blocked attention's options; small blocks so several query and key blocks run
-# per chunk (k_block 6 divides no padded length: the gathered cache is padded to it).
+# attn: the walk's options; small blocks so several query and key blocks run per chunk
+# (block 3 divides no chunk of 7: the last query block and the gathered row are padded),
+# and two head groups (o_proj accumulated over them).
 ATTN_OPTS = [
     {},
-    {"form": "expanded", "q_block": 2, "k_block": 4},
-    {"form": "absorbed", "q_block": 3, "k_block": 6},
+    {"block": 2},
+    {"block": 3, "head_groups": 2},
 ]
 
 
@@ -99,6 +103,40 @@ def test_cp_attention_matches_attention_block(n, t, attn):
     assert_close(np.asarray(out)[:, lay.inverse[:t]], ref, f"CP attention N={n} T={t}")
     assert_close(np.asarray(lat)[:, :t], ref_lat, "gathered latent cache")
     assert_close(np.asarray(rop)[:, :t], ref_rop, "gathered k_rope cache")
+
+
+def test_cp_attention_head_groups_slice_fp8_weights_on_their_scale_blocks():
+    # 32 x 32 scale blocks: every head group's rows of kv_b (2 x 64) and q_b (2 x 48) and
+    # columns of o_proj (2 x 32) fall on whole blocks, so the group scan slices the FP8
+    # values and their scales (dynamic slices by the group index), never a dequantised copy
+    cfg = model_config(quant=QuantConfig(block_n=32, block_k=32))
+    layer = jax.tree.map(jnp.asarray, random_params(cfg, seed=3, fp8=True).layers[0])
+    assert isinstance(layer.attn.kv_b, Fp8Tensor) and isinstance(layer.attn.o, Fp8Tensor)
+    hg = cfg.num_attention_heads // 2
+    for w, size, axis in (
+        (layer.attn.kv_b, hg * (cfg.qk_nope_head_dim + cfg.v_head_dim), 0),
+        (layer.attn.q_b, hg * cfg.qk_head_dim, 0),
+        (layer.attn.o, hg * cfg.v_head_dim, 1),
+    ):
+        assert isinstance(_group_ready(w, size, axis, F32), Fp8Tensor)
+    n, t, b = 2, 16, 2
+    h = np.random.default_rng(5).standard_normal((b, t, cfg.hidden_size)).astype(np.float32)
+    lay = ZigzagLayout.for_sequence(t, n)
+    h_zz = np.pad(h, ((0, 0), (0, lay.padded_len - t), (0, 0)))[:, lay.order]
+    f = jax.jit(
+        jax.shard_map(
+            lambda lp, x: cp_attention_block(lp, cfg, x, lay, axis=AXIS, block=4, head_groups=2),
+            mesh=make_mesh(n),
+            in_specs=(P(), P(None, AXIS)),
+            out_specs=(P(None, AXIS), P(), P()),
+        )
+    )
+    out = f(layer, h_zz)[0]
+    z = jnp.zeros
+    ref = jax.jit(attention_block, static_argnames="cfg")(
+        layer, cfg, jnp.asarray(h), z((b, t, cfg.kv_lora_rank)), z((b, t, cfg.qk_rope_head_dim)), 0
+    )[0]
+    assert_close(np.asarray(out)[:, lay.inverse[:t]], ref, "CP attention, FP8 head-group slices")
 
 
 def test_cp_attention_rejects_wrong_shard():

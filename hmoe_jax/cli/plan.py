@@ -13,8 +13,10 @@ run) at the real shapes with ShapeDtypeStruct operands on this machine's JAX bac
 (measure/compile_probe.py) and their memory_analysis() temporaries replace the estimates;
 on a machine without a GPU that is XLA:CPU, which fuses differently from XLA:GPU and
 upcasts bf16 dot operands to f32 (so its temporaries are an upper bound there). dslp's
-per-rank pieces (shard_map over N devices) are not compiled: estimated only. Exit status
-0 when the plan fits, 3 when it does not (1: bad input).
+per-rank pieces (shard_map over N devices) are compiled over N stand-in CPU devices under
+the GPU policy's dtypes (compile_probe.probe_dslp_pieces; estimated only when fewer than N
+devices exist, e.g. one GPU). Exit status 0 when the plan fits, 3 when it does not (1: bad
+input).
 """
 
 from __future__ import annotations

@@ -10,7 +10,13 @@ schedules buffers differently from XLA:GPU; what a dot must store (score blocks,
 outputs, a dequantised weight feeding a dot) shows up on both. XLA's cost analysis counts
 the body of a while loop ONCE (the blocked attention's key-block loop, lax.map over query
 blocks), so its flops are per-iteration figures for looped pieces (tests compare them with
-the cost model at one query block and one key block).
+the cost model at one query block and one key block). Two XLA:CPU upcasts a GPU does not
+make (read from the buffer assignment, XLA_FLAGS=--xla_dump_to=DIR: the
+*-buffer-assignment.txt and *-memory-usage-report.txt files): a bf16 dot inside a while
+body becomes an f32 dot with converted operands, which loop-invariant code motion hoists
+as whole f32 copies (CPU_DSLP_COMPILER_OPTIONS, the dslp probe avoids it); and an M = 1
+bf16 dot (the last-token lm_head) converts its weight to f32 (the dslp `final` piece:
+3.45 GiB for DeepSeek-V3's lm_head; cuBLAS reads bf16).
 """
 
 from __future__ import annotations
@@ -118,9 +124,11 @@ def abstract_layer(cfg: ModelConfig, layer: int, prec: Precision) -> LayerParams
     )
 
 
-def _probe(name: str, fn: Any, *args: Any, **kwargs: Any) -> PieceProbe:
+def _probe(
+    name: str, fn: Any, *args: Any, compiler_options: dict[str, str] | None = None, **kwargs: Any
+) -> PieceProbe:
     t0 = time.perf_counter()
-    compiled = fn.lower(*args, **kwargs).compile()
+    compiled = fn.lower(*args, **kwargs).compile(compiler_options=compiler_options)
     secs = time.perf_counter() - t0
     m = compiled.memory_analysis()
     cost = compiled.cost_analysis()
@@ -339,58 +347,123 @@ def probe_slp_pieces(
     return _CACHE[key]
 
 
-def probe_dslp_pieces(cfg: ModelConfig, tokens: int, ranks: int) -> dict[str, PieceProbe]:
-    """dslp's per-rank pieces (parallel/prefill.py) compiled over a mesh of the first `ranks`
-    devices of the default backend, operands sharded as the executor shards them (layer
-    weights replicated, the rank's E/N experts, the zig-zag hidden states): attention,
-    moe (SmallEP), dense_ffn, final. memory_analysis() of an SPMD executable is per device.
-    Needs `ranks` devices (on CPU: jax_num_cpu_devices set before jax starts). Cached."""
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
+# XLA:CPU runs a bf16 x bf16 -> f32 dot_general inside a while body (the CP walk's key-block
+# loop) as an f32 dot: it converts the operands to f32, and while-loop-invariant code motion
+# then hoists the convert of a loop-invariant operand out of the loop, a full f32 copy of it.
+# For the CP walk these are the K_nope and V buffers of a head group (2 x 1 GiB at 32K on 2
+# ranks) and the FP8 weights' f16 dequantisation. XLA:GPU runs bf16 dots natively (cuBLAS,
+# no convert) and the bf16 policy's FP8 GEMM hook reads FP8, so neither copy exists there.
+# The dslp probe compiles for XLA:CPU without that pass: the converts stay inside the loop,
+# fused into the dot's operand (one key block's worth), as the loop a GPU runs.
+CPU_DSLP_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
 
-    from hmoe_jax.model.precision import F32 as F32_POLICY
+
+def _dslp_mesh(ranks: int) -> Any:
+    from jax.sharding import Mesh
+
     from hmoe_jax.parallel.mesh import AXIS
-    from hmoe_jax.parallel.prefill import DEFAULT_EXPERT_FN, attn_fn, ffn_fn, last_logits_fn
-    from hmoe_jax.plan.dist import ZigzagLayout
 
-    key = ("dslp", cfg, int(tokens), int(ranks))
-    if key in _CACHE:
-        return _CACHE[key]
     devs = jax.devices()
     if len(devs) < ranks:
         raise ValueError(
             f"probe_dslp_pieces: {ranks} ranks need {ranks} devices, the backend has {len(devs)}"
         )
-    mesh = Mesh(np.array(devs[:ranks]), (AXIS,))
+    return Mesh(np.array(devs[:ranks]), (AXIS,))
+
+
+def _dslp_options() -> dict[str, str] | None:
+    return CPU_DSLP_COMPILER_OPTIONS if jax.devices()[0].platform == "cpu" else None
+
+
+def _placed(mesh: Any, tree: Any, spec: Any) -> Any:
+    from jax.sharding import NamedSharding
+
+    sh = NamedSharding(mesh, spec)
+    return jax.tree_util.tree_map(lambda x: SDS(x.shape, x.dtype, sharding=sh), tree)
+
+
+def _zigzag_hidden(mesh: Any, cfg: ModelConfig, padded: int, prec: Precision) -> Any:
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from hmoe_jax.parallel.mesh import AXIS
+
+    return SDS((1, padded, cfg.hidden_size), prec.act_dtype, sharding=NamedSharding(mesh, P(None, AXIS)))
+
+
+def probe_dslp_attention(
+    cfg: ModelConfig, tokens: int, ranks: int, prec: Precision = BF16, head_groups: int | None = None
+) -> PieceProbe:
+    """parallel.prefill.attn_fn per rank (see probe_dslp_pieces) with the plan's walk block
+    and head groups (plan.costs.cp_block / cp_head_groups, as schedules/dslp.py), or
+    `head_groups` to compare groupings."""
+    from jax.sharding import PartitionSpec as P
+
+    from hmoe_jax.parallel.prefill import attn_fn
+    from hmoe_jax.plan import costs
+    from hmoe_jax.plan.dist import ZigzagLayout
+
+    mesh = _dslp_mesh(ranks)
     lay = ZigzagLayout.for_sequence(tokens, ranks)
+    act_bytes = jnp.dtype(prec.act_dtype).itemsize
+    groups = head_groups or costs.cp_head_groups(cfg, lay.padded_len, act_bytes)
+    layer = _placed(mesh, abstract_layer(cfg, _moe_layer(cfg) if _has_moe(cfg) else 0, prec), P())
+    f = attn_fn(mesh, cfg, lay, prec, costs.cp_block(lay.chunk), groups)
+    h = _zigzag_hidden(mesh, cfg, lay.padded_len, prec)
+    return _probe("attention", f, layer, h, compiler_options=_dslp_options())
 
-    def placed(tree: Any, spec: Any) -> Any:
-        sh = NamedSharding(mesh, spec)
-        return jax.tree_util.tree_map(lambda x: SDS(x.shape, x.dtype, sharding=sh), tree)
 
-    h = SDS((1, lay.padded_len, cfg.hidden_size), F32, sharding=NamedSharding(mesh, P(None, AXIS)))
-    out: dict[str, PieceProbe] = {}
-    moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
-    dense = [i for i in range(cfg.num_hidden_layers) if not cfg.is_moe_layer(i)]
-    first = placed(abstract_layer(cfg, (moe or dense)[0], F32_POLICY), P())
-    out["attention"] = _probe("attention", attn_fn(mesh, cfg, lay), first, h)
-    if moe:
+def _has_moe(cfg: ModelConfig) -> bool:
+    return any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+
+
+def probe_dslp_pieces(
+    cfg: ModelConfig, tokens: int, ranks: int, prec: Precision = BF16
+) -> dict[str, PieceProbe]:
+    """dslp's per-rank pieces (parallel/prefill.py) compiled over a mesh of the first `ranks`
+    devices of the default backend, operands sharded as the executor shards them (layer
+    weights replicated, the rank's E/N experts, the zig-zag hidden states), under `prec`
+    (default BF16: the GPU policy's dtypes, bf16 activations, cache, K/V buffers and dot
+    operands with f32 accumulation; FP8 weights without a hook are dequantised to bf16 one
+    matrix at a time inside the piece; the executor's expert function for the policy) and
+    with the plan's walk block and head groups: attention, moe (SmallEP), dense_ffn, final.
+    memory_analysis() of an SPMD executable is per device. On XLA:CPU without
+    while-loop-invariant code motion (CPU_DSLP_COMPILER_OPTIONS says why). Needs `ranks`
+    devices (on CPU: jax_num_cpu_devices set before jax starts). Cached."""
+    from jax.sharding import PartitionSpec as P
+
+    from hmoe_jax.parallel.mesh import AXIS
+    from hmoe_jax.parallel.prefill import ffn_fn, grouped_expert_fn, last_logits_fn
+    from hmoe_jax.plan.dist import ZigzagLayout
+
+    key = ("dslp", cfg, int(tokens), int(ranks), prec)
+    if key in _CACHE:
+        return _CACHE[key]
+    mesh = _dslp_mesh(ranks)
+    lay = ZigzagLayout.for_sequence(tokens, ranks)
+    opts = _dslp_options()
+    h = _zigzag_hidden(mesh, cfg, lay.padded_len, prec)
+    out: dict[str, PieceProbe] = {"attention": probe_dslp_attention(cfg, tokens, ranks, prec)}
+    expert_fn = grouped_expert_fn(prec)
+    if _has_moe(cfg):
         # FP8 leaves as the executor passes them (uint8 views, parallel.moe.expert_bytes_view)
         as_bytes = lambda a: SDS(a.shape, jnp.uint8) if a.dtype == FP8_DTYPE else a
-        experts = placed(
-            jax.tree_util.tree_map(as_bytes, abstract_experts(cfg, cfg.n_routed_experts)), P(AXIS)
+        experts = _placed(
+            mesh, jax.tree_util.tree_map(as_bytes, abstract_experts(cfg, cfg.n_routed_experts)), P(AXIS)
         )
-        f = ffn_fn(mesh, cfg, True, "smallep", DEFAULT_EXPERT_FN, None)
-        out["moe"] = _probe("moe", f, first, experts, h)
+        layer = _placed(mesh, abstract_layer(cfg, _moe_layer(cfg), prec), P())
+        f = ffn_fn(mesh, cfg, True, "smallep", expert_fn, None, prec)
+        out["moe"] = _probe("moe", f, layer, experts, h, compiler_options=opts)
+    dense = [i for i in range(cfg.num_hidden_layers) if not cfg.is_moe_layer(i)]
     if dense:
-        f = ffn_fn(mesh, cfg, False, "smallep", DEFAULT_EXPERT_FN, None)
-        out["dense_ffn"] = _probe(
-            "dense_ffn", f, placed(abstract_layer(cfg, dense[0], F32_POLICY), P()), None, h
-        )
+        f = ffn_fn(mesh, cfg, False, "smallep", expert_fn, None, prec)
+        layer = _placed(mesh, abstract_layer(cfg, dense[0], prec), P())
+        out["dense_ffn"] = _probe("dense_ffn", f, layer, None, h, compiler_options=opts)
     head = SDS((cfg.vocab_size, cfg.hidden_size), jnp.bfloat16 if cfg.quant is not None else F32)
     rank, local = lay.owner_of_last
-    fin = last_logits_fn(cfg, rank * lay.local_len + local)
-    out["final"] = _probe("final", fin, placed(SDS((cfg.hidden_size,), F32), P()), placed(head, P()), h)
+    fin = last_logits_fn(cfg, rank * lay.local_len + local, prec)
+    norm = _placed(mesh, SDS((cfg.hidden_size,), F32), P())
+    out["final"] = _probe("final", fin, norm, _placed(mesh, head, P()), h, compiler_options=opts)
     _CACHE[key] = out
     return out
 
@@ -401,6 +474,7 @@ def piece_temps(probes: dict[str, PieceProbe]) -> dict[str, int]:
 
 
 __all__ = [
+    "CPU_DSLP_COMPILER_OPTIONS",
     "PieceProbe",
     "abstract_experts",
     "abstract_layer",
@@ -408,6 +482,7 @@ __all__ = [
     "piece_temps",
     "probe_attention",
     "probe_decode_attention_math",
+    "probe_dslp_attention",
     "probe_dslp_pieces",
     "probe_prefill_attention_math",
     "probe_slp_pieces",

@@ -10,6 +10,11 @@ Any `ExpertFn` can compute the local experts. Both schemes hand it pairs that be
 local expert with weight 0 (and a valid local id), so the ExpertFn must implement the
 contract's sum_j weights[t, j] * f_{ids[t, j]}(x_t) literally: a zero-weight pair adds
 nothing even when its id repeats a real one (experts_ref does).
+
+Precision (model/precision.py): hidden states cross the links in the activation dtype (bf16
+under the bf16 policy; ids int32), so do SmallEP's partials and EP's returned rows; the
+router runs in f32; the grouped ExpertFn consumes FP8 experts through the policy's grouped
+FP8 GEMM hook where it has one. The F32 policy is the exact path (f32 payloads).
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from hmoe_jax.config import ModelConfig
 from hmoe_jax.model.layers import dense_weight, swiglu
 from hmoe_jax.model.moe import ExpertFn, experts_ref, route
 from hmoe_jax.model.params import MoEParams
-from hmoe_jax.quant.fp8 import FP8_DTYPE
+from hmoe_jax.model.precision import F32, Precision
+from hmoe_jax.quant.fp8 import FP8_DTYPE, Fp8Tensor
 
 
 def _local_experts(cfg: ModelConfig, n_ranks: int) -> int:
@@ -39,8 +45,11 @@ def _local_experts(cfg: ModelConfig, n_ranks: int) -> int:
     return cfg.n_routed_experts // n_ranks
 
 
-def _shared(moe: MoEParams, x: jax.Array) -> jax.Array:
-    return jnp.zeros_like(x) if moe.shared is None else swiglu(moe.shared, x)
+def _shared(moe: MoEParams, x: jax.Array, prec: Precision = F32) -> jax.Array:
+    """The shared expert(s) on the owner's rows, f32."""
+    if moe.shared is None:
+        return jnp.zeros(x.shape, jnp.float32)
+    return swiglu(moe.shared, x, prec).astype(jnp.float32)
 
 
 # SmallEP works on blocks of this many local tokens per rank (N times as many gathered):
@@ -72,6 +81,7 @@ def smallep_moe(
     n_ranks: int,
     expert_fn: ExpertFn = experts_ref,
     local_block: int = SMALLEP_LOCAL_BLOCK,
+    prec: Precision = F32,
 ) -> tuple[jax.Array, jax.Array]:
     """SmallEP: all-gather the unsorted hidden states, repeat gating for all tokens, compute
     the local experts, one weighted partial per token, reduce-scatter the partials back to
@@ -83,9 +93,13 @@ def smallep_moe(
     order), every rank routes the block and computes its experts' partials [N b, D], and
     the reduce-scatter hands each rank the sums of its own b rows. The same pairs, the same
     per-token sums, and the same total bytes moved as one gather of everything; no [T, D]
-    tensor exists (padding rows of the last block are zeros, dropped)."""
+    tensor exists (padding rows of the last block are zeros, dropped). Both collectives
+    carry the activation dtype (x_local is cast to it; the partials are rounded to it
+    before the reduce-scatter); out is in the activation dtype."""
     el = _local_experts(cfg, n_ranks)
     rank = lax.axis_index(axis)
+    act = prec.act_dtype
+    x_local = x_local.astype(act)
 
     def block(xb: jax.Array) -> tuple[jax.Array, jax.Array]:
         b = xb.shape[0]
@@ -94,11 +108,11 @@ def smallep_moe(
         local = ids - rank * el
         mine = (local >= 0) & (local < el)
         partial = expert_fn(x_all, jnp.where(mine, local, 0), jnp.where(mine, w, 0.0), moe.experts)
-        routed = lax.psum_scatter(partial, axis, scatter_dimension=0, tiled=True)  # [b, D]
+        routed = lax.psum_scatter(partial.astype(act), axis, scatter_dimension=0, tiled=True)  # [b, D]
         return routed, lax.dynamic_slice_in_dim(ids, rank * b, b)
 
     routed, own_ids = map_rows(block, x_local, max(1, int(local_block)))
-    return routed + _shared(moe, x_local), own_ids
+    return (routed.astype(jnp.float32) + _shared(moe, x_local, prec)).astype(act), own_ids
 
 
 def ep_moe(
@@ -110,6 +124,7 @@ def ep_moe(
     n_ranks: int,
     capacity: int | None = None,
     expert_fn: ExpertFn = experts_ref,
+    prec: Precision = F32,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Standard EP: route on the owner, dispatch each (token, expert) pair to the expert's
     owner with all_to_all (pairs sorted by destination into fixed [N, capacity] buffers),
@@ -123,6 +138,8 @@ def ep_moe(
     blocked by grouped_experts_fn's pair_block. Returns (out [T_l, D], ids [T_l, k], pairs dropped on all
     ranks [] int32): the caller must treat dropped > 0 as an error."""
     el = _local_experts(cfg, n_ranks)
+    act = prec.act_dtype
+    x_local = x_local.astype(act)  # the dispatched rows cross in the activation dtype
     t_l, d = x_local.shape
     ids, w = route(moe, cfg, x_local)  # [T_l, k]
     k = ids.shape[1]
@@ -147,31 +164,49 @@ def ep_moe(
         valid.astype(jnp.float32)[:, None],
         moe.experts,
     )  # [N cap, D], unweighted: the owner applies the routing weights
-    back = lax.all_to_all(y.reshape(n_ranks, cap, d), axis, 0, 0).reshape(n_ranks * cap, d)
+    back = lax.all_to_all(y.astype(act).reshape(n_ranks, cap, d), axis, 0, 0).reshape(n_ranks * cap, d)
     y_pairs = jnp.where(kept[:, None], back[jnp.minimum(slot, n_ranks * cap - 1)], 0.0)  # [P, D]
-    routed = jnp.einsum("tk,tkd->td", w, y_pairs.reshape(t_l, k, d))
-    return routed + _shared(moe, x_local), ids, dropped
+    routed = jnp.einsum("tk,tkd->td", w, y_pairs.reshape(t_l, k, d).astype(jnp.float32))
+    return (routed + _shared(moe, x_local, prec)).astype(act), ids, dropped
 
 
-def experts_grouped(x: jax.Array, ids: jax.Array, weights: jax.Array, experts) -> jax.Array:
-    """ExpertFn with grouped GEMMs: the (token, expert) pairs sorted by expert and run through
-    jax.lax.ragged_dot, so each pair costs one expert's FLOPs (experts_ref: every expert on
-    every token). Pairs of weight 0 - other ranks' experts under SmallEP, empty EP buffer
-    slots - are sorted past the last group and never computed. Same sum as experts_ref,
-    another association. x [T, D], ids/weights [T, k] -> [T, D] f32."""
-    gate, up, down = dense_weight(experts.gate), dense_weight(experts.up), dense_weight(experts.down)
-    e = gate.shape[0]
+def _grouped_matmul(xs: jax.Array, w, sizes: jax.Array, prec: Precision) -> jax.Array:
+    """xs [P, K] sorted by group, w [G, N, K] (FP8 or plain), sizes [G] -> [P, N] f32. FP8
+    weights under a policy with a grouped FP8 hook go to it (an FP8 grouped GEMM: no bf16
+    copy, no dense expansion); otherwise the weights are dequantised to the dot dtype
+    (f32 under F32) and run through ragged_dot with f32 accumulation."""
+    if isinstance(w, Fp8Tensor) and not prec.exact and prec.fp8_grouped_matmul is not None:
+        return prec.fp8_grouped_matmul(xs, w, sizes)
+    dt = jnp.float32 if prec.exact else prec.dot_dtype
+    wd = jnp.swapaxes(dense_weight(w, dt), 1, 2)
+    return lax.ragged_dot(
+        xs.astype(dt), wd, sizes, preferred_element_type=jnp.float32, precision=prec.matmul_precision
+    )
+
+
+def experts_grouped(
+    x: jax.Array, ids: jax.Array, weights: jax.Array, experts, prec: Precision = F32
+) -> jax.Array:
+    """ExpertFn with grouped GEMMs: the (token, expert) pairs sorted by expert and run
+    through grouped GEMMs (_grouped_matmul), so each pair costs one expert's FLOPs
+    (experts_ref: every expert on every token). Pairs of weight 0 - other ranks' experts
+    under SmallEP, empty EP buffer slots - are sorted past the last group and never
+    computed. Same sum as experts_ref, another association. x [T, D], ids/weights [T, k]
+    -> [T, D] f32. Under a non-f32 policy the rows go in the activation dtype and
+    silu(gate) * up is rounded to it before down (as layers.swiglu)."""
+    e = experts.gate.shape[0]
     t, k = ids.shape
     w = weights.reshape(t * k).astype(jnp.float32)
     key = jnp.where(w != 0, ids.reshape(t * k), e)  # [P]; e = "not computed here"
     order = jnp.argsort(key, stable=True)
     sizes = jnp.bincount(key, length=e + 1)[:e].astype(jnp.int32)  # [E] rows per expert
     tok = order // k
-    xs = x.astype(jnp.float32)[tok]  # [P, D] sorted by expert
-    hid = jax.nn.silu(lax.ragged_dot(xs, jnp.swapaxes(gate, 1, 2), sizes)) * lax.ragged_dot(
-        xs, jnp.swapaxes(up, 1, 2), sizes
-    )  # [P, I]
-    y = lax.ragged_dot(hid, jnp.swapaxes(down, 1, 2), sizes)  # [P, D]
+    act = jnp.float32 if prec.exact else prec.act_dtype
+    xs = x.astype(act)[tok]  # [P, D] sorted by expert
+    g = _grouped_matmul(xs, experts.gate, sizes, prec)
+    u = _grouped_matmul(xs, experts.up, sizes, prec)
+    hid = (jax.nn.silu(g) * u).astype(act)  # [P, I]
+    y = _grouped_matmul(hid, experts.down, sizes, prec)  # [P, D] f32
     w_sorted = jnp.where(
         key[order] < e, w[order], 0.0
     )  # rows past the groups: zero, whatever the kernel left
@@ -201,27 +236,32 @@ def experts_from_bytes(experts: Any) -> Any:
 
 
 @functools.cache
-def grouped_experts_fn(experts_per_chunk: int = 8, pair_block: int = 8192) -> ExpertFn:
+def grouped_experts_fn(
+    experts_per_chunk: int | None = 8, pair_block: int = 8192, prec: Precision = F32
+) -> ExpertFn:
     """experts_grouped over the local experts `experts_per_chunk` at a time (lax.scan), so
     only one chunk's FP8 weights are dequantized at any time: a rank's share of a
     DeepSeek-V3 layer (128 experts at N = 2) would be 22 GB in f32 at once, 1.4 GB per chunk
     of 8. Rows are processed in blocks of pair_block // k rows (lax.map; the chunk scan,
     with its dequantisation, inside each block), so the sorted pair buffer [P, D], the
     hidden [P, I] and the outputs exist for one block of <= pair_block pairs at a time.
-    Cached: the same function object per (chunk size, pair block) (a static jit argument)."""
-    if experts_per_chunk < 1 or pair_block < 1:
+    experts_per_chunk None: all local experts in one chunk (no loop; for a policy whose
+    grouped FP8 hook consumes the FP8 stack directly, so nothing is dequantized). prec: the
+    precision policy of experts_grouped. Cached: the same function object per arguments
+    (a static jit argument)."""
+    if (experts_per_chunk is not None and experts_per_chunk < 1) or pair_block < 1:
         raise ValueError(
             f"grouped_experts_fn: experts_per_chunk={experts_per_chunk} and pair_block={pair_block} must be >= 1"
         )
 
     def over_chunks(x: jax.Array, ids: jax.Array, weights: jax.Array, experts) -> jax.Array:
         e = jax.tree_util.tree_leaves(experts)[0].shape[0]
-        g = math.gcd(e, experts_per_chunk)  # chunks must tile the local experts
+        g = e if experts_per_chunk is None else math.gcd(e, experts_per_chunk)  # chunks tile the experts
 
         def chunk_out(c, chunk):
             local = ids - c * g
             mine = (local >= 0) & (local < g)
-            return experts_grouped(x, jnp.where(mine, local, 0), jnp.where(mine, weights, 0.0), chunk)
+            return experts_grouped(x, jnp.where(mine, local, 0), jnp.where(mine, weights, 0.0), chunk, prec)
 
         # Chunk c sliced in place from the stack inside a fori_loop (a scan over reshaped
         # chunks copies all of them first; unrolled static slices keep every chunk's
@@ -244,6 +284,6 @@ def grouped_experts_fn(experts_per_chunk: int = 8, pair_block: int = 8192) -> Ex
         rows = max(1, pair_block // ids.shape[1])
         return map_rows(lambda xb, ib, wb: over_chunks(xb, ib, wb, experts), x, rows, ids, weights)
 
-    fn.__name__ = f"experts_grouped_x{experts_per_chunk}_p{pair_block}"
+    fn.__name__ = f"experts_grouped_x{experts_per_chunk or 'all'}_p{pair_block}_{prec.name}"
     fn.takes_fp8_bytes = True  # FP8 leaves may come as uint8 (expert_bytes_view)
     return fn

@@ -195,19 +195,92 @@ def static_key_blocks(tokens: int, cache_len: int, bq: int, bk: int) -> list[int
     return [min(n_kb, -(-(cache_len - tokens + (i + 1) * bq) // bk)) for i in range(-(-tokens // bq))]
 
 
-def cp_attn_flops(cfg: ModelConfig, padded_tokens: int, ranks: int) -> int:
-    """Per-rank FLOPs of parallel/attention.py (context-parallel, absorbed form, from
-    position 0): a rank's 2C tokens (C = padded_tokens / 2N) are projected and absorbed,
-    its query chunks r and 2N-1-r visit r+1 and 2N-r key chunks of C keys: 2N+1 chunk pairs.
-    W_uk / W_uv are applied per token; scores H (R + dr) and P.V H R per pair."""
+# parallel/attention.py's expanded context-parallel walk: query and key blocks of the same
+# size (at most CP_BLOCK tokens), K/V expanded into buffers of the rank's whole gathered
+# row, in head groups small enough that one group's buffer stays under CP_KV_BUFFER_BYTES.
+CP_BLOCK = 512
+CP_KV_BUFFER_BYTES = 1 << 30
+
+
+def cp_block(chunk: int, block: int = CP_BLOCK) -> int:
+    """The CP walk's query = key block for zig-zag chunks of `chunk` tokens: the largest
+    divisor of chunk in [block/2, block] (whole blocks per chunk: the walk's trip counts are
+    then exact), else min(block, chunk) (the chunk's last query block is padded)."""
+    if chunk < 1 or block < 1:
+        raise ValueError(f"cp_block: chunk={chunk} and block={block} must be >= 1")
+    if chunk <= block:
+        return chunk
+    for b in range(block, (block + 1) // 2 - 1, -1):
+        if chunk % b == 0:
+            return b
+    return block
+
+
+def cp_key_blocks(chunk: int, ranks: int, block: int) -> list[int]:
+    """Key blocks the CP walk visits for each pair of query blocks i (block i of the rank's
+    chunk r and block i of its chunk 2N-1-r, walked as one loop): a constant per i, the
+    same on every rank. Chunk c's block i needs ceil((c C + (i+1) b) / b) key blocks; for
+    the pair the sum is (2N-1) C / b + 2 (i+1) whatever r is (zig-zag balance) when b
+    divides C, and at most one more otherwise. Clipped to the gathered row (2 n_kb)."""
+    n, c, b = int(ranks), int(chunk), int(block)
+    n_kb = -(-2 * n * c // b)
+    n_qb = -(-c // b)
+    if c % b == 0:
+        trips = [(2 * n - 1) * c // b + 2 * (i + 1) for i in range(n_qb)]
+    else:
+        trips = [-(-((2 * n - 1) * c + 2 * (i + 1) * b) // b) + 1 for i in range(n_qb)]
+    return [min(t, 2 * n_kb) for t in trips]
+
+
+def cp_head_groups(cfg: ModelConfig, padded_tokens: int, act_bytes: int = 2) -> int:
+    """Head groups of the CP walk: the fewest (a divisor of H) whose K_nope / V buffer of
+    the padded row [S, H / G, dn + dv] in the act dtype fits CP_KV_BUFFER_BYTES."""
+    h = cfg.num_attention_heads
+    per_head = padded_tokens * (cfg.qk_nope_head_dim + cfg.v_head_dim) * act_bytes
+    for g in range(1, h + 1):
+        if h % g == 0 and per_head * (h // g) <= CP_KV_BUFFER_BYTES:
+            return g
+    return h
+
+
+def cp_attn_flops(cfg: ModelConfig, padded_tokens: int, ranks: int, *, block: int = CP_BLOCK) -> int:
+    """Per-rank FLOPs of parallel/attention.py (context-parallel, expanded form, from
+    position 0), dots only. The rank's 2C tokens (C = padded_tokens / 2N) are projected
+    (q on whole query blocks: n_qb b rows per chunk; kv_a on 2C rows); kv_b expands every
+    key block of the gathered row once (n_kb b keys, R H (dn + dv) each); each pair of query
+    blocks i walks cp_key_blocks(...)[i] key blocks of b keys: scores H (dn + dr) and P.V
+    H dv per query-key pair. Head groups split every per-head GEMM, so they change no
+    count."""
+    return sum(_cp_attn_parts(cfg, padded_tokens, ranks, block).values())
+
+
+def cp_attn_fp8_flops(cfg: ModelConfig, padded_tokens: int, ranks: int, *, block: int = CP_BLOCK) -> int:
+    """The part of cp_attn_flops an FP8 model runs as FP8-weight GEMMs (the FP8 GEMM hook):
+    q_a / q_b (or q), kv_b and o_proj; not kv_a (its N = 576 is not a whole number of
+    128-row blocks, so the hook's bf16 fallback runs it) and not the scores / P.V dots
+    (activations x activations, bf16). 0 for an unquantised model."""
+    if cfg.quant is None:
+        return 0
+    parts = _cp_attn_parts(cfg, padded_tokens, ranks, block)
+    return parts["q_o"] + parts["kv_b"]
+
+
+def _cp_attn_parts(cfg: ModelConfig, padded_tokens: int, ranks: int, block: int) -> dict[str, int]:
     h, r, dr = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     dn, dv = cfg.qk_nope_head_dim, cfg.v_head_dim
     c = padded_tokens // (2 * ranks)
-    local = 2 * c
-    pairs = (2 * ranks + 1) * c * c
-    return (
-        attn_proj_flops(cfg, local, local) + 2 * local * h * (dn * r + r * dv) + 2 * pairs * h * (2 * r + dr)
-    )
+    if c * 2 * ranks != padded_tokens or c < 1:
+        raise ValueError(f"cp_attn_flops: padded_tokens={padded_tokens} is not 2N C for N={ranks}")
+    b = cp_block(c, block)
+    n_qb, n_kb = -(-c // b), -(-padded_tokens // b)
+    q_rows = 2 * n_qb * b
+    kv_a = 2 * 2 * c * cfg.hidden_size * cfg.cache_dim
+    return {
+        "q_o": attn_proj_flops(cfg, q_rows, 2 * c) - kv_a,
+        "kv_a": kv_a,
+        "kv_b": 2 * n_kb * b * r * h * (dn + dv),
+        "pairs": sum(cp_key_blocks(c, ranks, b)) * 2 * b * b * h * (dn + dr + dv),
+    }
 
 
 # The dtype an accelerator's GEMMs run in under each precision policy (model/precision.py),
@@ -219,8 +292,8 @@ def cp_attn_flops(cfg: ModelConfig, padded_tokens: int, ranks: int) -> int:
 # kernels' tiling does not cover (N or K not a multiple of 128: kv_a_proj_with_mqa) are
 # dequantised to bf16 inside their piece and stay at compute_dtype. On the CPU stand-in the
 # same FLOPs run in our FFI kernels, whose measured rate the profile gives as both bf16 and
-# fp8 (configs/systems/local.toml). f32 (and the dslp path in parallel/, which computes in
-# f32): the fp32 rate, fp8_flops 0.
+# fp8 (configs/systems/local.toml). f32: the fp32 rate, fp8_flops 0 (dslp included: it runs
+# under the same policy, schedules/dslp.py).
 POLICY_GEMM_DTYPE = {"bf16": "bf16", "f32": "fp32"}
 # kernels/fp8_gemm.QBLOCK: the FP8 kernels' tile (N and K multiples of it, 128x128 weight
 # blocks); restated because plan/ imports no kernel code (tests/test_fp8_pricing.py pins it)

@@ -440,37 +440,85 @@ def cpu_budget(
     )
 
 
-def dslp_rank_temps(cfg: ModelConfig, padded_tokens: int, ranks: int) -> dict[str, int]:
-    """Estimated per-rank temporaries of the dslp stages as parallel/ computes them (f32
-    throughout). attention (parallel/attention.py -> model.attention.attend_blocks): the
-    rank's 2C tokens normed and their latents [2C, D + 576], the gathered latent cache
-    [T_pad, 576] (gathered, permuted, padded to the key block), the two chunks' outputs
-    [2C, D], and one (query block 1024, key block 512) pair's working set with the f32
-    attention weights (attention_temp at C tokens). moe (SmallEP in blocks of
-    SMALLEP_LOCAL_BLOCK local rows, parallel/moe.py; the default ExpertFn
-    grouped_experts_fn(2, 8192)): the normed local tokens, the routed and shared outputs
-    [T_l, D]; then the larger of: per block the gathered rows and partials [N b, D],
-    routing, and one block of <= 8192 pairs (rows [P, D], gate / up / product [P, I],
-    outputs [P, D]) with one chunk of 2 experts' f32 weights; the shared expert's SwiGLU on
-    [T_l, D] (it runs after the blocks, XLA reuses their buffers). dense: the SwiGLU in
-    blocks of DENSE_FFN_BLOCK tokens plus [2C, D] in and out. final: lm_head in f32."""
-    d, e, i, k = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok
-    cd = cfg.cache_dim
+def dslp_attention_temp(
+    cfg: ModelConfig,
+    padded_tokens: int,
+    ranks: int,
+    act: int = 2,
+    dot: int | None = None,
+    head_groups: int | None = None,
+) -> int:
+    """Temporaries of parallel/attention.cp_attention_block on one rank (B = 1), act = 2
+    for the bf16 policy on a GPU (activations, cache and dot operands bf16), 4 for F32.
+    The walk phase holds: the f32 output accumulator over head groups [2 n_qb b, D], q's
+    input rows [2 n_qb b, q_lora] (act), the gathered cache (gathered, permuted, padded
+    to whole key blocks: [S, 576] each, the permuted one is the piece's output), one head
+    group's K_nope / V buffers [n_kb b, H/G, dn + dv] (the dot dtype), and one pair of
+    query blocks' working set: q [2b, H/G, qk] f32 and its dot-dtype copy, three f32 score
+    blocks [b, H/G, b] (scores, masked, probabilities), the f32 carry twice plus P.V
+    [2, b, H/G, dv]. The projection phase: the normed rows [2C, D], kv_a's f32 output
+    [2C, 576], q_a's f32 output of one chunk. The end: the accumulator, the output rows and
+    their residual sum [2C, D]. Without an FP8 hook (F32) every attention weight's f32
+    copy adds (the dequantised weight of each dot). dot: the dot dtype's bytes when it
+    differs from act (the CPU stand-in's bf16 policy computes dots in f32: 4); head groups
+    are the plan's (cp_head_groups at act) unless given. The groups run as a loop (one
+    group's buffers live at a time) and the query-block pairs one after another: measured
+    on XLA:CPU at 32K on 2 ranks (compile_probe.probe_dslp_attention, bf16 dots, 2 groups)
+    1.79 GiB against 1.94 GiB here; at 46080 (4 groups) 1.53 against 1.69."""
+    dot = act if dot is None else dot
+    d, h, cd, r = cfg.hidden_size, cfg.num_attention_heads, cfg.cache_dim, cfg.kv_lora_rank
+    dn, dv, qk = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.qk_head_dim
     c = padded_tokens // (2 * ranks)
-    local = 2 * c
-    bk = min(512, padded_tokens)
-    slots = -(-padded_tokens // bk) * bk
-    # attention_temp counts one chunk's [C, D] in / out; the rank has two chunks
-    attn = attention_temp(cfg, c, cache_slots=slots, act=4, k_block=bk, walk="traced") + local * (d + cd) * 4
-    attn += 3 * padded_tokens * cd * 4
+    b = costs.cp_block(c)
+    n_qb, n_kb = -(-c // b), -(-padded_tokens // b)
+    hg = h // (head_groups or costs.cp_head_groups(cfg, padded_tokens, act))
+    q_in = cfg.q_lora_rank or d
+    rows = 2 * n_qb * b
+    acc = rows * d * 4
+    gathered = 2 * padded_tokens * cd * act + n_kb * b * cd * act
+    kv_buf = n_kb * b * hg * (dn + dv) * dot
+    block = 2 * b * hg * qk * (4 + dot) + 3 * b * hg * b * 4 + 3 * 2 * b * hg * dv * 4
+    walk = acc + rows * q_in * act + gathered + kv_buf + block
+    proj = 2 * c * d * act + 2 * c * cd * 4 + c * q_in * 4 + gathered
+    end = acc + 2 * 2 * c * d * act + gathered
+    weights = 0
+    if act == 4:
+        w = cd * d + h * (dn + dv) * r + d * h * dv
+        w += h * qk * d if cfg.q_lora_rank is None else q_in * d + h * qk * q_in
+        weights = _dequant_bytes(cfg, 1, w, 4)
+    return max(walk, proj, end) + weights
+
+
+def dslp_rank_temps(cfg: ModelConfig, padded_tokens: int, ranks: int, act: int = 2) -> dict[str, int]:
+    """Estimated per-rank temporaries of the dslp stages as parallel/ computes them under
+    a policy (act = 2: bf16 activations, payloads and cache with FP8 GEMM hooks, a GPU;
+    4: the F32 path). attention: dslp_attention_temp. moe (SmallEP in blocks of
+    SMALLEP_LOCAL_BLOCK local rows, parallel/moe.py; grouped experts in blocks of <= 8192
+    pairs): the normed local tokens and the routed output [T_l, D] (act); then the larger
+    of: per block the gathered rows and the partials [N b, D] (act, and the partials' f32
+    sum), routing, and one block of pairs (rows [P, D] act, gate / up / product [P, I] f32,
+    outputs [P, D] f32), with one chunk of 2 experts' f32 weights when no grouped FP8 hook
+    reads the FP8 stack (F32); the shared expert's SwiGLU on [T_l, D] (it runs after the
+    blocks, XLA reuses their buffers). dense: the SwiGLU in blocks of DENSE_FFN_BLOCK
+    tokens plus [2C, D] in and out. final: the f32 logits row, and under F32 the lm_head's
+    f32 copy."""
+    d, e, i, k = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+    local = padded_tokens // ranks
     lb = min(1024, local)
     rows = ranks * lb
     pairs = min(rows * k, 8192)
-    block = 2 * rows * d * 4 + 3 * rows * e * 4 + pairs * (2 * d + 3 * i) * 4 + 2 * 3 * i * d * 4
-    shared = ffn_temp(cfg, local, i * max(cfg.n_shared_experts, 1), 4)  # runs after the blocks
-    moe = 2 * local * d * 4 + max(block, shared)
-    dense = ffn_temp(cfg, min(2048, local), cfg.intermediate_size, 4) + 2 * local * d * 4
-    return {"attention": attn, "moe": moe, "dense_ffn": dense, "final": cfg.vocab_size * d * 4}
+    dequant = 2 * 3 * i * d * 4 if act == 4 else 0
+    block = rows * d * (2 * act + 4) + 3 * rows * e * 4 + pairs * (d * (act + 4) + 3 * i * 4) + dequant
+    shared = ffn_temp(cfg, local, i * max(cfg.n_shared_experts, 1), act)  # runs after the blocks
+    moe = 2 * local * d * act + max(block, shared)
+    dense = ffn_temp(cfg, min(2048, local), cfg.intermediate_size, act) + 2 * local * d * act
+    final = cfg.vocab_size * 4 + (cfg.vocab_size * d * 4 if act == 4 else 0)
+    return {
+        "attention": dslp_attention_temp(cfg, padded_tokens, ranks, act),
+        "moe": moe,
+        "dense_ffn": dense,
+        "final": final,
+    }
 
 
 def dslp_budget(
@@ -505,13 +553,14 @@ def dslp_budget(
     per_layer = max(rest[i] for i in moe_layers) + experts if moe_layers else 0
     table = cfg.vocab_size * cfg.hidden_size * (2 if cfg.quant is not None else 4)
     local = padded_tokens // ranks
-    est = dslp_rank_temps(cfg, padded_tokens, ranks)
-    hid = 2 * local * cfg.hidden_size * 4  # h in and out, f32
+    act = 4 if precision == "f32" else 2
+    est = dslp_rank_temps(cfg, padded_tokens, ranks, act)
+    hid = 2 * local * cfg.hidden_size * act  # h in and out
     stages = {"attention": ("attention", hid), "moe": ("moe", hid)}
     if dense_layers:
         stages["dense_ffn"] = ("dense_ffn", hid)
     temp, stage, measured = peak_temp(stages, est, piece_temps)
-    final_temp = local * cfg.hidden_size * 4 + dict(piece_temps or {}).get("final", est["final"])
+    final_temp = local * cfg.hidden_size * act + dict(piece_temps or {}).get("final", est["final"])
 
     def budget(r: int) -> MemoryBudget:
         if r == 0:
@@ -532,7 +581,7 @@ def dslp_budget(
             acc_mem_bytes=system.acc_mem_bytes,
             resident_bytes=resident_bytes(cfg, precision) if r == 0 else 0,
             ring_bytes=ring,
-            cache_bytes=cache_bytes(cfg, rows, length) if r == 0 else 0,
+            cache_bytes=cache_bytes(cfg, rows, length, act) if r == 0 else 0,
             temp_bytes=t,
             temp_measured=measured,
             temp_stage=st,

@@ -35,26 +35,27 @@ from hmoe_jax.model.moe import experts_ref
 from hmoe_jax.parallel.mesh import AXIS
 from hmoe_jax.parallel.moe import expert_bytes_view
 from hmoe_jax.parallel.prefill import (
-    DEFAULT_EXPERT_FN,
     attn_fn,
     check_dropped,
     embed_fn,
     ffn_fn,
+    grouped_expert_fn,
     last_logits_fn,
     logits_fn,
     moe_comm_record,
     split_layer,
 )
+from hmoe_jax.plan.costs import CP_BLOCK
 from hmoe_jax.plan.dist import ZigzagLayout
 from hmoe_jax.plan.format import Op, PlanError
 from hmoe_jax.runtime.dist_stream import RankStreamer
 from hmoe_jax.runtime.run import DslpState, Run
 from hmoe_jax.runtime.staging import slot_layout
 
-ACC_EXPERTS = {
-    "grouped": DEFAULT_EXPERT_FN,
-    "ref": experts_ref,
-}  # grouped: a few experts dequantized at a time, in blocks of pairs (parallel/moe.py)
+# acc_experts: "grouped" = grouped GEMMs under the run's policy (parallel/prefill.py
+# grouped_expert_fn: the FP8 grouped hook, or a few experts dequantized at a time), "ref" =
+# experts_ref (every local expert on every token, f32)
+ACC_EXPERTS = ("grouped", "ref")
 
 
 def _state(run: Run) -> DslpState:
@@ -114,19 +115,19 @@ def embed(run: Run, op: Op) -> list:
     layout = ZigzagLayout.for_sequence(t, n)
     name = op.args.get("acc_experts", "grouped")
     if name not in ACC_EXPERTS:
-        raise PlanError(f"op {op.id}: acc_experts={name!r}, expected one of {sorted(ACC_EXPERTS)}")
+        raise PlanError(f"op {op.id}: acc_experts={name!r}, expected one of {list(ACC_EXPERTS)}")
     st = DslpState(
         mesh,
         layout,
         RankStreamer(mesh),
         str(op.args["scheme"]),
         op.args.get("ep_capacity"),
-        ACC_EXPERTS[name],
+        grouped_expert_fn(run.prec) if name == "grouped" else experts_ref,
     )
     run.dslp = st
     tok_zz = np.pad(run.tokens, ((0, 0), (0, layout.padded_len - t)))[:, layout.order].astype(np.int32)
     table = _replicated(run, st, -1, run.weights.host.embed, run.weights.acc.embed)
-    st.h = embed_fn(mesh)(table, jax.device_put(tok_zz, NamedSharding(mesh, P(None, AXIS))))
+    st.h = embed_fn(mesh, run.prec)(table, jax.device_put(tok_zz, NamedSharding(mesh, P(None, AXIS))))
     return [st.h]
 
 
@@ -191,7 +192,15 @@ def attn(run: Run, op: Op) -> list:
     st = _state(run)
     i = op.layer
     rest = _layer_rest(run, st, i)
-    h, lat, rop = attn_fn(st.mesh, run.cfg, st.layout)(rest, st.h)
+    f = attn_fn(
+        st.mesh,
+        run.cfg,
+        st.layout,
+        run.prec,
+        int(op.args.get("block", CP_BLOCK)),
+        int(op.args.get("head_groups", 1)),
+    )
+    h, lat, rop = f(rest, st.h)
     t = run.tokens.shape[1]
     acc = run.weights.placement.acc
     row = np.int32(run.rows[0])
@@ -206,7 +215,7 @@ def ffn(run: Run, op: Op) -> list:
     rest = st.layer_rest.pop(op.layer)
     for r in st.streamer.local_ranks:
         st.experts.pop((op.layer, r), None)
-    st.h = ffn_fn(st.mesh, run.cfg, False, st.scheme, st.expert_fn, None)(rest, None, st.h)
+    st.h = ffn_fn(st.mesh, run.cfg, False, st.scheme, st.expert_fn, None, run.prec)(rest, None, st.h)
     return [st.h]
 
 
@@ -214,11 +223,13 @@ def moe(run: Run, op: Op) -> list:
     st = _state(run)
     i = op.layer
     rest, experts = st.layer_rest.pop(i), _layer_experts(run, st, i)
-    f = ffn_fn(st.mesh, run.cfg, True, st.scheme, st.expert_fn, st.capacity)
+    f = ffn_fn(st.mesh, run.cfg, True, st.scheme, st.expert_fn, st.capacity, run.prec)
     h, ids, dropped = f(rest, experts, st.h)
     check_dropped(dropped, i, st.capacity)
     n, b = st.layout.n_ranks, run.tokens.shape[0]
-    st.comm.append({"layer": i, **moe_comm_record(run.cfg, n, st.layout.padded_len * b, st.scheme, ids)})
+    act_bytes = np.dtype(run.prec.act_dtype).itemsize  # the payloads' dtype (parallel/moe.py)
+    rec = moe_comm_record(run.cfg, n, st.layout.padded_len * b, st.scheme, ids, act_bytes)
+    st.comm.append({"layer": i, **rec})
     st.h = h
     return [h]
 
@@ -244,12 +255,12 @@ def final(run: Run, op: Op) -> list:
     t = run.tokens.shape[1]
     acc = run.weights.placement.acc
     if op.args.get("rows", "last") == "all":
-        lz = logits_fn(st.mesh, run.cfg)(norm, lm_head, h)  # [B, S_pad, V] zig-zag
+        lz = logits_fn(st.mesh, run.cfg, run.prec)(norm, lm_head, h)  # [B, S_pad, V] zig-zag
         lg = jax.device_put(lz[:, lay.inverse[:t]], acc)  # [B, T, V]
     else:
         rank, local = lay.owner_of_last
-        lg = jax.device_put(last_logits_fn(run.cfg, rank * lay.local_len + local)(norm, lm_head, h), acc)[
-            :, None
-        ]
+        lg = jax.device_put(
+            last_logits_fn(run.cfg, rank * lay.local_len + local, run.prec)(norm, lm_head, h), acc
+        )[:, None]
     run.logits.append(lg)
     return [lg]

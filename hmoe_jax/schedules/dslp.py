@@ -13,14 +13,22 @@ cache where single-device decode expects it.
 
 Options: all_logits (False), staging ("ring": C++ staging ring, the default; "direct":
 jax.device_put from the host copy), ep_capacity (ep only: pair slots per rank pair; None =
-no drop possible), acc_experts ("grouped": ragged_dot grouped GEMMs, the default; "ref":
-experts_ref, every local expert on every token). Prefill from position 0 only (chunked continuation uses `cpu`).
+no drop possible), acc_experts ("grouped": grouped GEMMs, the default; "ref":
+experts_ref, every local expert on every token), precision ("bf16", the default, or "f32":
+the policy the plan is priced and budgeted for; the executor runs the engine's own policy).
+Prefill from position 0 only (chunked continuation uses `cpu`).
 Memory budget (plan/memory.py, checked by plan()): kv_rows, max_len, piece_temps.
 
 The plan is data for the simulator: each dslp_load's bytes is what crosses rank r's
 host link; each compute op's flops are PER RANK (all ranks run it in lock-step), and its
 args.comm gives the bytes its collectives move between ranks (CommVolume.as_dict(); the EP
-figure is the balanced-routing expectation, the executor records the actual one).
+figure is the balanced-routing expectation, the executor records the actual one) in the
+policy's activation / cache dtype (2 bytes under bf16). meta.compute_dtype is the policy's
+GEMM dtype (bf16) and each compute op's args.fp8_flops is the part of its flops an FP8
+model runs as FP8-weight GEMMs (attention projections and kv_b, shared experts, routed
+experts, dense FFNs; sim/pricing.py prices it at the FP8 rate). dslp_attn carries the
+walk's block and head_groups (plan.costs.cp_block / cp_head_groups), which the executor
+passes to parallel/attention.py.
 """
 
 from __future__ import annotations
@@ -42,7 +50,15 @@ class DslpSchedule(Schedule):
     moe_scheme: ClassVar[str] = "smallep"
     min_devices = 1
     max_devices = None
-    known_options = COMMON_OPTIONS | {"staging", "ep_capacity", "acc_experts"}
+    known_options = COMMON_OPTIONS | {"staging", "ep_capacity", "acc_experts", "precision"}
+
+    def _precision(self) -> str:
+        precision = str(self.options.get("precision", "bf16"))
+        if precision not in costs.POLICY_GEMM_DTYPE:
+            raise ScheduleError(
+                f"{self.name}: precision={precision!r}, expected one of {sorted(costs.POLICY_GEMM_DTYPE)}"
+            )
+        return precision
 
     def budget(
         self, cfg: ModelConfig, system: SystemSpec, num_tokens: int, *, devices: int = 1, start_pos: int = 0
@@ -62,6 +78,7 @@ class DslpSchedule(Schedule):
                 max_len=self.options.get("max_len"),
                 piece_temps=self.options.get("piece_temps"),
                 schedule=self.name,
+                precision=self._precision(),
             )
         except ValueError as e:
             raise ScheduleError(f"{self.name}: {e}") from None
@@ -88,9 +105,14 @@ class DslpSchedule(Schedule):
         budget = self.budget(cfg, system, num_tokens, devices=n)
         if not budget.fits:
             raise ScheduleError(f"{self.name}: {budget.message}")
+        precision = self._precision()
+        act_bytes = 4 if precision == "f32" else 2  # activations, payloads and the cache
+        fp8 = cfg.quant is not None and precision != "f32"  # FP8 weights through FP8 GEMMs
         layout = ZigzagLayout.for_sequence(num_tokens, n)
         t_pad, k, el = layout.padded_len, cfg.num_experts_per_tok, cfg.n_routed_experts // n
         per_rank_tokens = t_pad // n
+        block = costs.cp_block(layout.chunk)
+        head_groups = costs.cp_head_groups(cfg, t_pad, act_bytes)
         b = PlanBuilder(self.name, num_tokens)
         h = embed = b.add(
             "dslp_embed",
@@ -137,29 +159,39 @@ class DslpSchedule(Schedule):
                 "dslp_attn",
                 ACC,
                 layer=layer,
-                flops=costs.cp_attn_flops(cfg, t_pad, n),
+                flops=costs.cp_attn_flops(cfg, t_pad, n, block=block),
+                fp8_flops=costs.cp_attn_fp8_flops(cfg, t_pad, n, block=block) if fp8 else 0,
                 deps=[h, *(loads[1:] if moe else loads)],
-                comm=cp_attention_comm(n, t_pad, cfg.cache_dim).as_dict(),
+                comm=cp_attention_comm(n, t_pad, cfg.cache_dim, act_bytes).as_dict(),
+                block=block,
+                head_groups=head_groups,
             )
             if not moe:
+                ffn_flops = costs.dense_ffn_flops(cfg, per_rank_tokens)
                 h = b.add(
-                    "dslp_ffn", ACC, layer=layer, flops=costs.dense_ffn_flops(cfg, per_rank_tokens), deps=[h]
+                    "dslp_ffn",
+                    ACC,
+                    layer=layer,
+                    flops=ffn_flops,
+                    fp8_flops=ffn_flops if fp8 else 0,
+                    deps=[h],
                 )
                 continue
             comm = (
-                smallep_comm(n, t_pad, cfg.hidden_size)
+                smallep_comm(n, t_pad, cfg.hidden_size, act_bytes)
                 if self.moe_scheme == "smallep"
-                else ep_comm_expected(n, t_pad, cfg.hidden_size, k)
+                else ep_comm_expected(n, t_pad, cfg.hidden_size, k, act_bytes)
             )
             # SmallEP routes all T tokens on every rank; EP only its own. Experts: T k / N rows per rank.
             route_tokens = t_pad if self.moe_scheme == "smallep" else per_rank_tokens
+            # routed + shared experts are FP8-weight GEMMs; the router is an f32 dot
+            weight_flops = costs.expert_flops(cfg, t_pad * k // n) + costs.shared_flops(cfg, per_rank_tokens)
             h = b.add(
                 "dslp_moe",
                 ACC,
                 layer=layer,
-                flops=costs.router_flops(cfg, route_tokens)
-                + costs.expert_flops(cfg, t_pad * k // n)
-                + costs.shared_flops(cfg, per_rank_tokens),
+                flops=costs.router_flops(cfg, route_tokens) + weight_flops,
+                fp8_flops=weight_flops if fp8 else 0,
                 bytes=el * costs.expert_bytes(cfg),
                 deps=[h, loads[0]],
                 scheme=self.moe_scheme,
@@ -184,7 +216,10 @@ class DslpSchedule(Schedule):
         meta = dict(
             devices=n,
             start_pos=0,
-            compute_dtype="fp32",  # parallel/ computes in f32 (no precision policy there yet)
+            compute_dtype=costs.POLICY_GEMM_DTYPE[precision],
+            precision=precision,
+            attn_block=block,
+            attn_head_groups=head_groups,
             memory=budget.meta(),
             moe_scheme=self.moe_scheme,
             staging=staging,
