@@ -117,6 +117,7 @@ class CpuSchedule(Schedule):
         if not budget.fits:
             raise ScheduleError(f"cpu: {budget.message}")
         attn = self.options.get("attn")
+        precision = str(self.options.get("precision", "bf16"))
         b = PlanBuilder(self.name, num_tokens)
         k = cfg.num_experts_per_tok
         prev_chunk_last = None
@@ -166,7 +167,8 @@ class CpuSchedule(Schedule):
                         deps=[h],
                         tokens=[t0, t1],
                     )
-                hop = costs.hidden_bytes(cfg, n) + costs.route_bytes(cfg, n)
+                # the hop moves x in the policy's activation dtype + ids + weights (pack_hop)
+                hop = costs.hidden_bytes(cfg, n, precision) + costs.route_bytes(cfg, n)
                 d = b.add("d2h", "d2h:0", layer=layer, bytes=hop, deps=[r], tokens=[t0, t1])
                 s = (
                     b.add(
@@ -190,7 +192,12 @@ class CpuSchedule(Schedule):
                     tokens=[t0, t1],
                 )
                 u = b.add(
-                    "h2d", "h2d:0", layer=layer, bytes=costs.hidden_bytes(cfg, n), deps=[e], tokens=[t0, t1]
+                    "h2d",
+                    "h2d:0",
+                    layer=layer,
+                    bytes=costs.hidden_bytes(cfg, n, precision),
+                    deps=[e],
+                    tokens=[t0, t1],
                 )
                 h = b.add("combine", "acc:0", layer=layer, deps=[h, u, s], tokens=[t0, t1])
             last = ci == len(spans) - 1
@@ -208,7 +215,7 @@ class CpuSchedule(Schedule):
         return b.build(
             devices=1,
             start_pos=start_pos,
-            compute_dtype=costs.POLICY_GEMM_DTYPE[str(self.options.get("precision", "bf16"))],
+            compute_dtype=costs.POLICY_GEMM_DTYPE[precision],
             memory=budget.meta(),
             chunk_tokens=chunk,
             all_logits=all_logits,
