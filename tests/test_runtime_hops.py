@@ -136,8 +136,27 @@ def test_hop_memory_mode_on_a_stand_in_and_bad_values(monkeypatch):
 
     dev = jax.devices()[0]
     assert hops.hop_memory(dev, dev)[0] == "direct"
-    with pytest.raises(ValueError, match="HMOE_HOP_MEMORY"):
-        hops.hop_memory(dev, dev, "fast")
+    monkeypatch.setenv(hops.HOP_MEMORY_ENV, "pinned")  # a stand-in stays direct whatever is asked
+    assert hops.hop_memory(dev, dev)[0] == "direct"
+    monkeypatch.setenv(hops.HOP_MEMORY_ENV, "fast")
+    with pytest.raises(ValueError, match="HMOE_HOP_MEMORY='fast'"):
+        hops.hop_memory(dev, dev)
+
+
+def test_pinned_hop_path_moves_values_intact():
+    """The pinned path's two device_puts each way (XLA:CPU has a pinned_host memory kind too,
+    so the code path runs here; its speed is a GPU question): values intact, landing on the
+    host device and back in the accelerator's device memory."""
+    import jax
+
+    acc, host = jax.devices()[1], jax.devices()[0]
+    assert hops._pinned_probe(acc, host) is None
+    x = jax.device_put(np.arange(40, dtype=np.uint16).reshape(2, 20), acc)
+    h = hops.to_host(x, acc, host, "pinned")
+    assert h.devices() == {host}
+    back = hops.to_acc(h, acc, "pinned")
+    assert back.devices() == {acc} and back.sharding.memory_kind == "device"
+    np.testing.assert_array_equal(np.asarray(back), np.arange(40).reshape(2, 20))
 
 
 def test_hop_bytes_of_the_cost_model():
@@ -147,3 +166,37 @@ def test_hop_bytes_of_the_cost_model():
     assert costs.route_bytes(cfg, 8) == 8 * 8 * (4 + 4)
     with pytest.raises(ValueError, match="precision"):
         costs.hidden_bytes(cfg, 1, "fp8")
+
+
+def test_docs_hop_table_is_the_snippets_output():
+    """docs/engine.md's bytes-per-layer table is what its snippet prints from the plan."""
+    import contextlib
+    import io
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "engine.md").read_text()
+    section = doc[doc.index("### Decode hops") :]
+    snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(snippet, {})
+    printed = [line for line in out.getvalue().splitlines() if line.startswith("|")]
+    assert len(printed) == 4 and all(line in section for line in printed), printed
+
+
+def test_decode_through_the_pinned_path_gives_the_same_logits(monkeypatch):
+    """The executor's hops in pinned mode (forced on the stand-in) give the direct mode's
+    logits bit for bit, and note the mode on the hop slices."""
+    from hmoe_jax.runtime.run import Run
+
+    eng = engine("bf16")
+    out = {}
+    for mode in ("direct", "pinned"):
+        monkeypatch.setattr(Run, "hop_mode", property(lambda self, mode=mode: mode))
+        cache = eng.new_cache(64)
+        eng.prefill(np.arange(2, 10), cache, "cpu")
+        tr = TraceRecorder()
+        out[mode] = np.asarray(eng.decode_step(11, 8, cache, tr))
+        assert {s["args"]["hop_memory"] for s in hop_slices(tr)} == {mode}
+    np.testing.assert_array_equal(out["pinned"], out["direct"])
