@@ -137,7 +137,9 @@ def _fp8_weight(rng, shape):
 def _compare(name: str, y, y_ref, x_q, x_s, w) -> dict:
     """The kernel vs its reference on the same quantised activations: exact e4m3 products,
     f32 sums in another order, one bf16 rounding each side (tests/test_kernels_fp8_gemm.py):
-    |d| <= K 2^-24 sum|x||w| + 2^-8 (|y| + |y_ref|)."""
+    |d| <= K 2^-24 sum|x||w| + 2^-8 (|y| + |y_ref|). The bound assumes f32 accumulation inside
+    each 128-wide K block; a tensor core that accumulates FP8 products in fewer bits (Hopper's,
+    per DeepSeek-V3's report) shows here as worst_delta_over_bound > 1."""
     import jax.numpy as jnp
 
     from hmoe_jax.quant.fp8 import dequantize
@@ -153,6 +155,7 @@ def _compare(name: str, y, y_ref, x_q, x_s, w) -> dict:
         "shape": [int(x.shape[0]), int(wd.shape[0]), k],
         "max_abs_delta": float(d.max()),
         "max_ref": float(np.abs(y_ref).max()),
+        "max_rel_delta": float(d.max() / max(float(np.abs(y_ref).max()), 1e-30)),
         "worst_delta_over_bound": float((d / np.maximum(bound, 1e-30)).max()),
         "passed": bool(np.all(d <= bound) and np.all(np.isfinite(y))),
     }
