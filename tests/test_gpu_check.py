@@ -120,8 +120,9 @@ def test_end_to_end_on_the_cpu_stand_in(tmp_path):
         rec["engine"]["f32"]["greedy_equal"]
         and rec["engine"]["f32"]["max_rel_delta"] <= gpu_check.F32_REL_TOL
     )
+    counts = [*gpu_check.COPY_THREADS, *(["auto"] if gpu_check.auto_copy_threads() else [])]
     assert {(r["device_ring"], r["copy_threads"]) for r in rec["ring"]} == {
-        (m, t) for m in gpu_check.RING_MODES for t in gpu_check.COPY_THREADS
+        (m, t) for m in gpu_check.RING_MODES for t in counts
     }
     ok = [r for r in rec["ring"] if "error" not in r]
     assert ok and all(r["streamed_bytes"] > 0 and 0 <= r["overlap_of_acc_busy"] <= 1 for r in ok)

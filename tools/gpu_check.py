@@ -383,14 +383,25 @@ def overlap_fraction(copies: list[tuple[int, int]], busy: list[tuple[int, int]])
     return both / total
 
 
+def auto_copy_threads() -> bool:
+    """Whether this build's StagingRing sizes its copy threads itself (copy_threads=None)."""
+    import inspect
+
+    from hmoe_jax.runtime.staging import StagingRing
+
+    return inspect.signature(StagingRing.__init__).parameters["copy_threads"].default is None
+
+
 def ring_rates(params, cfg, prompt_len: int) -> list[dict]:
     from hmoe_jax.plan.trace import TraceRecorder
 
     ids = np.random.default_rng(2).integers(2, cfg.vocab_size, prompt_len)
     rows = []
+    # None: the engine's own sizing (from the measured copy rate against the link), where built
+    counts = (*COPY_THREADS, None) if auto_copy_threads() else COPY_THREADS
     for mode in RING_MODES:
-        for threads in COPY_THREADS:
-            row: dict = {"device_ring": mode, "copy_threads": threads}
+        for threads in counts:
+            row: dict = {"device_ring": mode, "copy_threads": threads if threads else "auto"}
             os.environ["HMOE_DEVICE_RING"] = mode
             try:
                 eng = make_engine(params, cfg, "bf16", prompt_len + 8, copy_threads=threads)
@@ -411,6 +422,10 @@ def ring_rates(params, cfg, prompt_len: int) -> list[dict]:
                     overlap_of_acc_busy=overlap_fraction(copies + loads, acc),
                     pinned_arena=bool(eng.ring_for(plan).pinned) if plan.meta.get("ring_slots") else None,
                 )
+                if threads is None and plan.meta.get("ring_slots"):
+                    ring = eng.ring_for(plan)
+                    row["copy_threads_chosen"] = getattr(ring, "copy_threads", None)
+                    row["copy_threads_why"] = getattr(ring, "copy_threads_why", None)
                 eng.close()
             except Exception as e:  # noqa: BLE001 (a mode this runtime refuses: recorded, the others go on)
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
