@@ -39,7 +39,7 @@ from hmoe_jax.runtime.kvpool import KVPool, PoolExhausted
 from hmoe_jax.runtime.run import Run
 from hmoe_jax.runtime.staging import StagingRing
 from hmoe_jax.runtime.state import PlacedWeights
-from hmoe_jax.schedules.registry import get_schedule
+from hmoe_jax.schedules.registry import get_schedule, schedule_class
 
 
 def ffi_moe_available() -> bool:
@@ -241,6 +241,10 @@ class Engine:
         return self._rings[key]
 
     def plan(self, schedule: str, num_tokens: int, start_pos: int = 0, **options: Any) -> Plan:
+        # a schedule that prices by precision (hop bytes, activation memory) gets the policy
+        # this engine runs, so the plan's bytes are the bytes the executor moves
+        if "precision" in schedule_class(schedule).known_options:
+            options.setdefault("precision", self.prec.name)
         s = get_schedule(schedule, **options)
         return s.plan(
             self.cfg, self.system, num_tokens, devices=s.uses_devices(self.devices), start_pos=start_pos

@@ -2,7 +2,7 @@
 layer dims exactly, 2 MoE layers of 32 routed experts in 4 groups of 8, keep 2, a vocab of
 8,192) and random block-FP8 weights for it, made in memory without an f32 copy.
 
-Experiments (e03-e06, e22) and tools/gpu_slp_check.py time the engine on it: ~3.3 GB of
+Experiments (e03-e06, e22) and tools/gpu_check.py time the engine on it: ~3.3 GB of
 FP8 weights, far over any L3, so a decode step reads DRAM as the real model does; the vocab
 is not a layer dim and would otherwise be most of the bytes (lm_head 117 MB bf16 instead of
 1.85 GB). The weights' values do not matter to the timing, only that activations stay O(1).

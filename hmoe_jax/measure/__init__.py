@@ -8,4 +8,6 @@ SIDE BY SIDE with a DRAM read probe (this VM's read rate moves by 2x within minu
 - standin.py: the stand-in accelerator's rates (GEMM, FP8 convert, prefill attention);
 - local_profile.py: the measurements written as a simulator profile (local.toml);
 - compile_probe.py: compile-only memory/cost of the engine's pieces at real shapes (`hmoe plan`).
+- gpu_profile.py: the GPU half of a profile (link, GEMMs, memory, attention, op overhead) over
+  a CPU-side base profile of the same host (tools/gpu_calibrate.py, tools/gpu_check.py).
 """

@@ -337,14 +337,32 @@ def lm_head_flops(cfg: ModelConfig, tokens: int) -> int:
     return 2 * tokens * cfg.hidden_size * cfg.vocab_size
 
 
-def hidden_bytes(cfg: ModelConfig, tokens: int) -> int:
-    """f32 hidden states of `tokens` tokens."""
-    return 4 * tokens * cfg.hidden_size
+# Bytes per hidden value on a decode hop (attn_route -> host -> combine) under each precision
+# policy: the hidden states cross in the policy's activation dtype (model/precision.py).
+HOP_ACT_BYTES = {"bf16": 2, "f32": 4}
+# Bytes per routed (token, expert) pair on the hop to the host: the id as int32 and the
+# routing weight as f32. The weight stays f32 because the CPU MoE op takes f32 weights
+# (kernels/moe.py) and multiplies each expert's f32 output by it; a bf16 weight would save
+# 2 bytes per pair (16 of a DeepSeek-V3 token's 14,400 hop bytes) and round the combine.
+ROUTE_PAIR_BYTES = 4 + 4
+
+
+def hop_act_bytes(precision: str) -> int:
+    """Bytes per hidden value a hop moves under `precision` ("bf16" | "f32")."""
+    if precision not in HOP_ACT_BYTES:
+        raise ValueError(f"hop bytes: precision {precision!r}, expected one of {sorted(HOP_ACT_BYTES)}")
+    return HOP_ACT_BYTES[precision]
+
+
+def hidden_bytes(cfg: ModelConfig, tokens: int, precision: str = "bf16") -> int:
+    """Hidden states of `tokens` tokens as a decode hop moves them: the policy's activation
+    dtype (bf16: 2 bytes, f32: 4 bytes per value; runtime/pieces.py pack_hop)."""
+    return hop_act_bytes(precision) * tokens * cfg.hidden_size
 
 
 def route_bytes(cfg: ModelConfig, tokens: int) -> int:
-    """ids (int32) + weights (f32) of `tokens` tokens."""
-    return 8 * tokens * cfg.num_experts_per_tok
+    """ids (int32) + weights (f32) of `tokens` tokens (ROUTE_PAIR_BYTES per pair)."""
+    return ROUTE_PAIR_BYTES * tokens * cfg.num_experts_per_tok
 
 
 def _stored_bytes(cfg: ModelConfig, shape: tuple[int, ...], quantized: bool) -> int:

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from hmoe_jax.plan.format import Op, PlanError
-from hmoe_jax.runtime import pieces
+from hmoe_jax.runtime import hops, pieces
 from hmoe_jax.runtime.run import Run
 from hmoe_jax.runtime.staging import StagingRing, slot_layout
 
@@ -96,40 +96,49 @@ def attn_route(run: Run, op: Op) -> list:
 
 def d2h(run: Run, op: Op) -> list:
     m = run.chunk(op).layer(op.layer)
-    host = run.weights.placement.host
     packed, m.packed = m.packed, None
-    if packed is not None:  # one transfer of x | ids | weights (attn_route)
-        m.host_in = [jax.device_put(packed, host)]
-    else:
-        m.host_in = list(jax.device_put((m.x, m.ids, m.weights), host))
+    # one transfer of the packed x | ids | weights (attn_route), else the three arrays
+    send = [packed] if packed is not None else [m.x, m.ids, m.weights]
+    mode = run.hop_mode
+    m.host_in = [hops.to_host(a, run.acc, run.weights.placement.host, mode) for a in send]
+    run.note(op, moved_bytes=hops.moved_bytes(send), transfers=len(send), hop_memory=mode)
     return m.host_in
 
 
 @functools.cache
-def _packed_expert_fn(fn: Callable, hidden: int, k: int) -> Callable:
-    return jax.jit(lambda packed, experts: fn(*pieces.unpack_route(packed, hidden, k), experts))
+def _host_expert_fn(fn: Callable, hidden: int, k: int, packed: bool, out_dtype: Any) -> Callable:
+    """The host's routed-expert call as one jitted computation: unpack the hop (packed),
+    run the expert function (f32 out), and round its output to the hop dtype (`out_dtype`,
+    the policy's activation dtype: bf16 under the bf16 policy, so the return hop moves 2
+    bytes per value; combine sums it with the shared output in f32, as before)."""
+
+    def call(*args):
+        *moved, experts = args
+        inputs = pieces.unpack_hop(moved[0], hidden, k) if packed else moved
+        return fn(*inputs, experts).astype(out_dtype)
+
+    return jax.jit(call)
 
 
 def experts_cpu(run: Run, op: Op) -> list:
     m = run.chunk(op).layer(op.layer)
     moved, m.host_in = m.host_in, None
     experts = run.weights.host_experts_dev[op.layer]
+    d, k = run.cfg.hidden_size, run.cfg.num_experts_per_tok
+    packed = len(moved) == 1
     if run.trace is not None:  # distinct experts this op reads (traced runs only: a host sync)
-        d, k = run.cfg.hidden_size, run.cfg.num_experts_per_tok
-        ids = np.asarray(moved[0])[:, d : d + k] if len(moved) == 1 else np.asarray(moved[1])
-        run.note(op, experts_touched=int(np.unique(ids).size))
-    if len(moved) == 1:
-        fn = _packed_expert_fn(run.host_expert_fn, run.cfg.hidden_size, run.cfg.num_experts_per_tok)
-        m.host_out = fn(moved[0], experts)
-    else:
-        m.host_out = run.host_expert_fn(*moved, experts)
+        ids = pieces.unpack_hop(moved[0], d, k)[1] if packed else moved[1]
+        run.note(op, experts_touched=int(np.unique(np.asarray(ids)).size))
+    fn = _host_expert_fn(run.host_expert_fn, d, k, packed, np.dtype(run.prec.act_dtype))
+    m.host_out = fn(*moved, experts)
     return [m.host_out]
 
 
 def h2d(run: Run, op: Op) -> list:
     m = run.chunk(op).layer(op.layer)
     y, m.host_out = m.host_out, None
-    m.routed = jax.device_put(y, run.acc)
+    m.routed = hops.to_acc(y, run.acc, run.hop_mode)
+    run.note(op, moved_bytes=hops.moved_bytes([y]), transfers=1, hop_memory=run.hop_mode)
     return [m.routed]
 
 

@@ -124,8 +124,53 @@ def route_tokens(layer: LayerParams, cfg: ModelConfig, h: jax.Array, prec: Preci
     return _route(layer, cfg, h, prec)
 
 
-def _packed(x, ids, w):
-    return jnp.concatenate([x.astype(jnp.float32), ids.astype(jnp.float32), w], axis=-1)
+def _hop_word(x_dtype) -> jnp.dtype:
+    """The word a hop is packed in: the hidden dtype's width (bf16 -> uint16, f32 -> uint32),
+    so x crosses at its own size and ids / weights (32-bit) as 2 or 1 words each."""
+    return jnp.dtype(jnp.uint16) if jnp.dtype(x_dtype).itemsize == 2 else jnp.dtype(jnp.uint32)
+
+
+def _as_words(a: jax.Array, word: jnp.dtype) -> jax.Array:
+    """a [M, n] -> its raw bits as [M, n * a.itemsize / word.itemsize] words (no rounding)."""
+    w = jax.lax.bitcast_convert_type(a, word)  # [M, n] or [M, n, ratio]
+    return w.reshape(a.shape[0], -1)
+
+
+def _from_words(w: jax.Array, dtype) -> jax.Array:
+    """Inverse of _as_words: [M, n * ratio] words -> [M, n] dtype, bit for bit."""
+    ratio = jnp.dtype(dtype).itemsize // w.dtype.itemsize
+    if ratio > 1:
+        w = w.reshape(w.shape[0], -1, ratio)
+    return jax.lax.bitcast_convert_type(w, dtype)
+
+
+def pack_hop(x: jax.Array, ids: jax.Array, w: jax.Array) -> jax.Array:
+    """x [M, D] (the policy's activation dtype) | ids [M, k] int32 | weights [M, k] f32 as
+    ONE array of raw words (uint16 for bf16 x, uint32 for f32 x): the hop to the host is one
+    transfer of exactly the bytes the plan prices (plan.costs.hidden_bytes + route_bytes),
+    with no value rounded or widened (a bitcast, not a cast)."""
+    word = _hop_word(x.dtype)
+    return jnp.concatenate(
+        [_as_words(x, word), _as_words(ids.astype(jnp.int32), word), _as_words(w.astype(jnp.float32), word)],
+        axis=-1,
+    )
+
+
+def unpack_hop(packed: jax.Array, hidden: int, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Inverse of pack_hop: words [M, W] -> x [M, D] (bf16 if the words are uint16, else
+    f32), ids [M, k] int32, weights [M, k] f32."""
+    x_dtype = jnp.bfloat16 if packed.dtype == jnp.uint16 else jnp.float32
+    per32 = 4 // packed.dtype.itemsize  # words per 32-bit value
+    x_end = hidden * jnp.dtype(x_dtype).itemsize // packed.dtype.itemsize
+    if packed.shape[-1] != x_end + 2 * k * per32:
+        raise ValueError(
+            f"unpack_hop: {packed.shape[-1]} {packed.dtype} words per row, expected {x_end + 2 * k * per32} "
+            f"for hidden {hidden} and k {k}"
+        )
+    x = _from_words(packed[:, :x_end], x_dtype)
+    ids = _from_words(packed[:, x_end : x_end + k * per32], jnp.int32)
+    w = _from_words(packed[:, x_end + k * per32 :], jnp.float32)
+    return x, ids, w
 
 
 @functools.partial(jax.jit, static_argnames=(*ATTN_STATIC, "with_shared"), donate_argnames=("lat", "rope"))
@@ -148,20 +193,15 @@ def attn_route(
     """Attention, post-attention norm and gating of a MoE layer as ONE computation (one
     dispatch instead of two per layer in decode) -> (h [B, T, D], lat, rope, x [B*T, D] or,
     with_shared, the shared expert(s)' output [B*T, D] (decode: everything the accelerator
-    does before the hop in one dispatch), packed [B*T, D + 2k]): the routed experts' inputs
-    x | ids | weights packed in one f32 array, so the hop to the host is one transfer, not
-    three (ids < 2^24 are exact in f32)."""
+    does before the hop in one dispatch), packed [B*T, W] words): the routed experts' inputs
+    x | ids | weights packed bit for bit in one array (pack_hop), so the hop to the host is
+    one transfer, not three, of x in the policy's activation dtype."""
     h, lat, rope = _attention_block(
         layer.attn_norm, layer.attn, cfg, h, lat, rope, rows, pos, prec, kv_len, form, q_block, k_block
     )
     x, ids, w = _route(layer, cfg, h, prec)
     side = swiglu(layer.ffn.shared, x, prec) if with_shared else x
-    return h, lat, rope, side, _packed(x, ids, w)
-
-
-def unpack_route(packed: jax.Array, hidden: int, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Inverse of attn_route's packing: [M, D + 2k] -> x [M, D], ids [M, k] int32, weights [M, k]."""
-    return packed[:, :hidden], packed[:, hidden : hidden + k].astype(jnp.int32), packed[:, hidden + k :]
+    return h, lat, rope, side, pack_hop(x, ids, w)
 
 
 @functools.partial(jax.jit, static_argnames=("prec",))

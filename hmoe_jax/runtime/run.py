@@ -26,6 +26,7 @@ from hmoe_jax.model.precision import F32, Precision
 from hmoe_jax.plan.dist import ZigzagLayout
 from hmoe_jax.plan.format import Op
 from hmoe_jax.plan.trace import TraceRecorder
+from hmoe_jax.runtime import hops
 from hmoe_jax.runtime.dist_stream import RankStreamer
 from hmoe_jax.runtime.kvpool import KVPool
 from hmoe_jax.runtime.staging import StagingRing
@@ -40,10 +41,10 @@ class MoeLayer:
     x: Any = None  # [B, t, D] normed hidden states the experts take
     ids: Any = None  # [B, t, k] routed expert ids (None after attn_route: they are in `packed`)
     weights: Any = None  # [B, t, k] routing weights (likewise)
-    packed: Any = None  # [B t, D + 2k] f32 x | ids | weights of attn_route: one transfer, taken by d2h
+    packed: Any = None  # [B t, W] words: x | ids | weights of attn_route (pieces.pack_hop), taken by d2h
     shared: Any = None  # [B, t, D] the shared experts' output
     host_in: list | None = None  # the route operands on the host (d2h), taken by experts_cpu
-    host_out: Any = None  # [B, t, D] the routed experts' output on the host, taken by h2d
+    host_out: Any = None  # [B t, D] the routed experts' output on the host (act dtype), taken by h2d
     routed: Any = None  # [B, t, D] the routed experts' output (h2d; experts_acc's f32 accumulator)
     # experts_acc: (token, weights, offsets [E + 1] numpy) of the layer's assignments sorted
     # by expert, computed by its first group
@@ -122,6 +123,12 @@ class Run:
     @property
     def acc(self) -> jax.Device:
         return self.weights.placement.acc
+
+    @property
+    def hop_mode(self) -> str:
+        """Where decode hops land on the host side: "direct" or "pinned" (runtime/hops.py;
+        resolved once per device pair)."""
+        return hops.hop_memory(self.acc, self.weights.placement.host)[0]
 
     def chunk(self, op: Op) -> Chunk:
         """The state of the chunk `op` works on (created by its first op)."""

@@ -196,7 +196,8 @@ class CpuSchedule(Schedule):
                         deps=[h],
                         tokens=[t0, t1],
                     )
-                hop = costs.hidden_bytes(cfg, n) + costs.route_bytes(cfg, n)
+                # the hop moves x in the policy's activation dtype + ids + weights (pack_hop)
+                hop = costs.hidden_bytes(cfg, n, precision) + costs.route_bytes(cfg, n)
                 d = b.add("d2h", "d2h:0", layer=layer, bytes=hop, deps=[r], tokens=[t0, t1])
                 s = (
                     b.add(
@@ -221,7 +222,12 @@ class CpuSchedule(Schedule):
                     tokens=[t0, t1],
                 )
                 u = b.add(
-                    "h2d", "h2d:0", layer=layer, bytes=costs.hidden_bytes(cfg, n), deps=[e], tokens=[t0, t1]
+                    "h2d",
+                    "h2d:0",
+                    layer=layer,
+                    bytes=costs.hidden_bytes(cfg, n, precision),
+                    deps=[e],
+                    tokens=[t0, t1],
                 )
                 h = b.add("combine", "acc:0", layer=layer, deps=[h, u, s], tokens=[t0, t1])
             last = ci == len(spans) - 1
