@@ -14,12 +14,15 @@ Two parts:
 2. Projection: DeepSeek-V3 FP8 on configs/systems/paper_epyc9355_rtx5090.toml with one GPU:
    TTFT and prefill tok/s for 1K-64K under cpu and slp, the crossover length (the shortest
    grid length where slp beats cpu), the longest prompt within 30 s (bisection to 1K), and
-   slp's gain at 4K. The paper's values are the comparison column only. The engine's slp plan
-   runs bf16 GEMMs (plan meta compute_dtype): the record also prices the same plan at the
-   FP8 rate, labelled as a what-if (not what the engine runs), since at 20-32K the prefill is
-   bound by accelerator compute; and the same prompt with a full-layer ring (the engine's
-   ring policy drops to 2 slots once it calls a layer compute-bound, so the next layer's
-   copies stop overlapping its attention), also a what-if.
+   slp's gain at 4K, and whether each plan fits the card (`fits`, the plan's memory budget).
+   The paper's values are the comparison column only. The engine's slp plan runs the bf16
+   policy with FP8 GEMMs for every FP8 weight (plan meta compute_dtype bf16; each op's
+   fp8_flops priced at the FP8 rate, attention in bf16). Two what-ifs, labelled so (not what
+   the engine runs): the same plan without FP8 GEMMs (every GEMM at the bf16 rate:
+   hmoe_jax.sim.run.price_gemms_as, as `hmoe simulate --gemm-dtype bf16`), which shows what the
+   FP8 GEMMs buy at 8-64K; and the same prompt with a full-layer ring (one slot per routed
+   expert, an upper bound that need not fit the card) against the ring the engine's policy sizes
+   from the memory its plan leaves.
 
     python -m experiments.e04_slp_prefill [--quick]
 """
@@ -135,12 +138,30 @@ def max_prompt_within(cfg, prof, sched: str, budget_s: float, lo: int, hi: int, 
     return lo_k * step
 
 
+def slp_whatifs(cfg, prof, r: dict[str, Any]) -> dict[str, Any]:
+    """The engine's ring and dtype of one slp projection (`r`, a simulate_request result) and
+    its what-ifs (not what the engine runs): the same plan with every GEMM at the bf16 rate
+    (no FP8 GEMMs), and a full-layer ring at the same prompt."""
+    from hmoe_jax.sim.run import build_plan, simulate_request, time_plan
+
+    n = r["prompt_len"]
+    no_fp8 = simulate_request(cfg, prof, "slp", n, gemm_dtype="bf16")
+    ring, no_fit = build_plan(cfg, prof, "slp", n, kv_rows=1, max_len=n + 1, ring_slots=cfg.n_routed_experts)
+    return {
+        "ring_slots": r.get("ring_slots"),
+        "compute_dtype": r["compute_dtype"],
+        "whatif_no_fp8_gemm_ttft_s": no_fp8["ttft_s"],
+        "whatif_no_fp8_gemm_tok_per_s": no_fp8["prefill_tok_per_s"],
+        "whatif_full_ring_slots": cfg.n_routed_experts,
+        "whatif_full_ring_ttft_s": time_plan(ring, cfg, prof).total_s,
+        "whatif_full_ring_fits": no_fit is None,
+    }
+
+
 def projection(quick: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     from experiments.common.simval import prefill_projection_row
     from hmoe_jax.config import named_model_config
-    from hmoe_jax.plan.format import Plan
     from hmoe_jax.plan.profile import load_profile
-    from hmoe_jax.sim.run import build_plan, time_plan
 
     cfg = named_model_config("deepseek_v3")
     prof = load_profile(PAPER_MACHINE).with_accelerators(1)
@@ -154,19 +175,8 @@ def projection(quick: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         for sched in ("cpu", "slp"):
             r = _ttft(cfg, prof, sched, n)
             rows.append(prefill_projection_row(r, prof))
-            if sched == "slp" and n >= 8192:  # what-if: the same plan with FP8 GEMMs (not what runs)
-                plan, _ = build_plan(cfg, prof, "slp", n, kv_rows=1, max_len=n + 1)
-                fp8 = Plan(plan.schedule, plan.num_tokens, plan.ops, {**plan.meta, "compute_dtype": "fp8"})
-                rows[-1]["whatif_fp8_ttft_s"] = time_plan(fp8, cfg, prof).total_s
-                rows[-1]["whatif_fp8_tok_per_s"] = n / rows[-1]["whatif_fp8_ttft_s"]
-                # what-if: a ring of one full layer of slots at any length (the engine's policy
-                # drops to 2 slots when its estimate calls the layer compute-bound)
-                ring, no_fit = build_plan(
-                    cfg, prof, "slp", n, kv_rows=1, max_len=n + 1, ring_slots=cfg.n_routed_experts
-                )
-                rows[-1]["ring_slots"] = plan.meta.get("ring_slots")
-                rows[-1]["whatif_full_ring_ttft_s"] = time_plan(ring, cfg, prof).total_s
-                rows[-1]["whatif_full_ring_fits"] = no_fit is None
+            if sched == "slp" and n >= 8192:
+                rows[-1].update(slp_whatifs(cfg, prof, r))
             print(
                 f"[paper {sched} T={n}] TTFT {r['ttft_s']:.2f} s, {r['prefill_tok_per_s']:.0f} tok/s, bound "
                 f"{r['binding']['prefill']}{'' if r['fits'] else ' (does not fit)'}",
@@ -190,8 +200,11 @@ def projection(quick: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         "slp_gain_at_4k": by[("cpu", 4096)]["ttft_s"] / by[("slp", 4096)]["ttft_s"],
         "cpu_tok_per_s_4k": by[("cpu", 4096)]["prefill_tok_per_s"],
         "slp_bound_20k": by[("slp", 20480)]["bound"],
-        "slp_whatif_fp8_tok_per_s_20k": by[("slp", 20480)]["whatif_fp8_tok_per_s"],
-        "slp_whatif_fp8_ttft_s_32k": by[("slp", 32768)]["whatif_fp8_ttft_s"],
+        "slp_fits_20k": by[("slp", 20480)]["fits"],
+        "slp_fits_32k": by[("slp", 32768)]["fits"],
+        "slp_compute_dtype": by[("slp", 20480)]["compute_dtype"],
+        "slp_whatif_no_fp8_gemm_tok_per_s_20k": by[("slp", 20480)]["whatif_no_fp8_gemm_tok_per_s"],
+        "slp_whatif_no_fp8_gemm_ttft_s_32k": by[("slp", 32768)]["whatif_no_fp8_gemm_ttft_s"],
         "slp_attn_s_32k": by[("slp", 32768)]["op_s_by_kind"].get("attn"),
         "slp_ring_slots_20k": by[("slp", 20480)]["ring_slots"],
         "slp_whatif_full_ring_ttft_s_20k": by[("slp", 20480)]["whatif_full_ring_ttft_s"],

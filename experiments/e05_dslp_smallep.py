@@ -17,10 +17,14 @@ Two parts:
 2. Projection: DeepSeek-V3 on configs/systems/paper_epyc9355_rtx5090.toml: dslp (2 GPUs) vs
    slp (1 GPU) from 8K to 64K, the longest dslp prompt within 30 s, and at 20K the MoE layer
    under SmallEP vs EP (its latency, and the share of it spent in collectives, from the
-   priced phases of the dslp_moe op). The engine's dslp computes in f32 (plan meta
-   compute_dtype; parallel/ has no bf16 policy yet): the record also carries the same plan
-   priced at the bf16 rate (a what-if, labelled so), since that one input explains most of
-   the gap to the paper.
+   priced phases of the dslp_moe op), and whether each plan fits its cards (`fits`, the
+   plan's per-rank memory budget; a plan that does not fit is timed as if it did and says
+   so). The engine's dslp runs the bf16 policy through parallel/ (plan meta compute_dtype
+   bf16: bf16 activations and SmallEP payloads, FP8 GEMMs for every FP8 weight priced at the
+   FP8 rate through each op's fp8_flops, context-parallel attention in the expanded form).
+   The record also carries the same plan without FP8 GEMMs (every GEMM at the bf16 rate:
+   hmoe_jax.sim.run.price_gemms_as, as `hmoe simulate --gemm-dtype bf16`), a what-if
+   labelled so, which shows what the FP8 GEMMs buy.
 
     python -m experiments.e05_dslp_smallep [--quick]
 """
@@ -34,12 +38,6 @@ from experiments.common.record import emit_record, parse_args, print_ceiling
 PAPER = {"dslp_tok_per_s": 1800, "dslp_max_prompt_30s_at_least": 45056}
 PAPER_MACHINE = "paper_epyc9355_rtx5090"
 TTFT_BUDGET_S = 30.0
-
-
-def _with_dtype(plan, dtype: str):
-    from hmoe_jax.plan.format import Plan
-
-    return Plan(plan.schedule, plan.num_tokens, plan.ops, {**plan.meta, "compute_dtype": dtype})
 
 
 def moe_layer(cfg, prof, scheme: str, tokens: int) -> dict[str, Any]:
@@ -73,25 +71,45 @@ def moe_layer(cfg, prof, scheme: str, tokens: int) -> dict[str, Any]:
     }
 
 
+def here_config():
+    from experiments.common.models import larger_moe_config
+
+    return larger_moe_config(4)
+
+
+def sim_here(cfg, r: dict[str, Any]) -> dict[str, Any]:
+    """The simulated side of one measured row (local.toml with two stand-ins): also what
+    experiments.common.resim_check recomputes from a committed record."""
+    from experiments.common.simval import local_profile
+    from hmoe_jax.sim.run import simulate_request
+
+    sim = simulate_request(
+        cfg, local_profile().with_accelerators(2), r["schedule"], r["prompt_len"], max_len=512
+    )
+    meas = r["measured_prefill_s"]
+    return {
+        "sim_prefill_s": sim["ttft_s"],
+        "sim_bound": sim["binding"]["prefill"],
+        "err_pct": 100.0 * (sim["ttft_s"] - meas) / meas,
+    }
+
+
 def measured_here(quick: bool) -> list[dict[str, Any]]:
     import time
 
     import numpy as np
 
-    from experiments.common.models import larger_moe_config
-    from experiments.common.simval import engine_prefill_options, local_profile, validation_system
+    from experiments.common.simval import engine_prefill_options, validation_system
     from hmoe_jax.engine.engine import Engine
     from hmoe_jax.runtime.synthetic import random_params
-    from hmoe_jax.sim.run import simulate_request
 
-    cfg = larger_moe_config(4)
+    cfg = here_config()
     params = random_params(cfg, seed=0)
     # one plan, one spec: the engine plans on the local profile's two stand-ins, as simulated
     eng = Engine(params, cfg, devices=2, system=validation_system(devices=2), max_batch=1, max_len=512)
     opts = engine_prefill_options(eng)
     n, reps = 256, 2 if quick else 3
     ids = np.random.default_rng(3).integers(2, cfg.vocab_size, n).astype(np.int32)
-    prof2 = local_profile().with_accelerators(2)
     rows = []
     for sched in ("dslp", "ep"):
         cache = eng.new_cache(512)
@@ -101,22 +119,18 @@ def measured_here(quick: bool) -> list[dict[str, Any]]:
             t = time.perf_counter()
             eng.prefill(ids, cache, schedule=sched, **opts)
             ts.append(time.perf_counter() - t)
-        meas = float(np.median(ts))
-        sim = simulate_request(cfg, prof2, sched, n, max_len=512)
-        rows.append(
-            {
-                "part": "measured_here",
-                "model": "larger_moe_config(4) (hidden 512, 64 experts)",
-                "schedule": sched,
-                "prompt_len": n,
-                "measured_prefill_s": meas,
-                "sim_prefill_s": sim["ttft_s"],
-                "sim_bound": sim["binding"]["prefill"],
-                "err_pct": 100.0 * (sim["ttft_s"] - meas) / meas,
-            }
-        )
+        r = {
+            "part": "measured_here",
+            "model": "larger_moe_config(4) (hidden 512, 64 experts)",
+            "schedule": sched,
+            "prompt_len": n,
+            "measured_prefill_s": float(np.median(ts)),
+        }
+        r.update(sim_here(cfg, r))
+        rows.append(r)
         print(
-            f"[here {sched} T={n}] measured {meas:.3f} s, simulated {sim['ttft_s']:.3f} s ({rows[-1]['err_pct']:+.1f}%)",
+            f"[here {sched} T={n}] measured {r['measured_prefill_s']:.3f} s, simulated {r['sim_prefill_s']:.3f} s "
+            f"({r['err_pct']:+.1f}%)",
             flush=True,
         )
     eng.close()
@@ -128,7 +142,7 @@ def projection(quick: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     from experiments.e04_slp_prefill import max_prompt_within
     from hmoe_jax.config import named_model_config
     from hmoe_jax.plan.profile import load_profile
-    from hmoe_jax.sim.run import build_plan, simulate_request, time_plan
+    from hmoe_jax.sim.run import simulate_request
 
     cfg = named_model_config("deepseek_v3")
     p2 = load_profile(PAPER_MACHINE)
@@ -139,15 +153,20 @@ def projection(quick: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         for sched, prof in (("dslp", p2), ("slp", p1)):
             r = simulate_request(cfg, prof, sched, n)
             row = prefill_projection_row(r, prof)
-            if sched == "dslp":  # what-if: the same plan with bf16 GEMMs (not what the engine runs)
-                plan, _ = build_plan(cfg, prof, "dslp", n)
-                row["whatif_bf16_ttft_s"] = time_plan(_with_dtype(plan, "bf16"), cfg, prof).total_s
-                row["whatif_bf16_tok_per_s"] = n / row["whatif_bf16_ttft_s"]
+            row["compute_dtype"] = r["compute_dtype"]
+            if sched == "dslp":  # what-if: the same plan without FP8 GEMMs (not what the engine runs)
+                w = simulate_request(cfg, prof, "dslp", n, gemm_dtype="bf16")
+                row["whatif_no_fp8_gemm_ttft_s"] = w["ttft_s"]
+                row["whatif_no_fp8_gemm_tok_per_s"] = w["prefill_tok_per_s"]
             rows.append(row)
             print(
                 f"[paper {sched} x{prof.accelerators} T={n}] TTFT {r['ttft_s']:.2f} s, {r['prefill_tok_per_s']:.0f} tok/s, "
-                f"bound {row['bound']}{'' if r['fits'] else ' (does not fit)'}"
-                + (f"; bf16 what-if {row['whatif_bf16_tok_per_s']:.0f} tok/s" if sched == "dslp" else ""),
+                f"bound {row['bound']}, fits {r['fits']}"
+                + (
+                    f"; what-if without FP8 GEMMs {row['whatif_no_fp8_gemm_tok_per_s']:.0f} tok/s"
+                    if sched == "dslp"
+                    else ""
+                ),
                 flush=True,
             )
     by = {(r["schedule"], r["prompt_len"]): r for r in rows}
@@ -165,14 +184,22 @@ def projection(quick: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         f"ep {ep['layer_s'] * 1e3:.1f} ms (comm {ep['comm_share']:.2f})",
         flush=True,
     )
+    at45 = 45056 if 45056 in lengths else None  # not on --quick's grid
     extra = {
         "dslp_tok_per_s_32k": by[("dslp", 32768)]["prefill_tok_per_s"],
+        "dslp_fits_32k": by[("dslp", 32768)]["fits"],
+        "dslp_ttft_s_32k": by[("dslp", 32768)]["ttft_s"],
+        "dslp_ttft_s_45k": by[("dslp", at45)]["ttft_s"] if at45 else None,
+        "dslp_fits_45k": by[("dslp", at45)]["fits"] if at45 else None,
         "dslp_max_prompt_30s": max30,
+        # the plan at that length fits its cards (a plan timed as if it fitted would not count)
+        "dslp_max_prompt_30s_fits": simulate_request(cfg, p2, "dslp", max30)["fits"] if max30 else None,
         "dslp_over_slp": by[("slp", 32768)]["ttft_s"] / by[("dslp", 32768)]["ttft_s"],
         "dslp_bound_32k": by[("dslp", 32768)]["bound"],
-        "dslp_whatif_bf16_tok_per_s_32k": by[("dslp", 32768)]["whatif_bf16_tok_per_s"],
-        # the context-parallel attention runs in the absorbed form (2R + dr per head and key
-        # pair, vs dn + dr + dv expanded) over (2N+1)/(4N) T^2 pairs per rank
+        "dslp_compute_dtype": by[("dslp", 32768)]["compute_dtype"],
+        "dslp_whatif_no_fp8_gemm_tok_per_s_32k": by[("dslp", 32768)]["whatif_no_fp8_gemm_tok_per_s"],
+        # the context-parallel attention runs in the expanded form (dn + dr + dv per head and
+        # key pair) over (2N+1)/(4N) T^2 pairs per rank (zig-zag)
         "dslp_attn_s_32k": by[("dslp", 32768)]["op_s_by_kind"].get("dslp_attn"),
         "slp_attn_s_32k": by[("slp", 32768)]["op_s_by_kind"].get("attn"),
         "smallep_vs_ep_layer_ratio": small["layer_s"] / ep["layer_s"],
@@ -183,12 +210,26 @@ def projection(quick: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     return rows, extra
 
 
+def summarise(here: list[dict[str, Any]], extra: dict[str, Any], prof) -> dict[str, Any]:
+    """The record's summary from its measured rows and the projection's keys (also
+    recomputed by experiments.common.resim_check)."""
+    from experiments.common.simval import errors
+
+    err = errors([(r["sim_prefill_s"], r["measured_prefill_s"]) for r in here])
+    return {
+        **extra,
+        "dslp_over_paper_32k": extra["dslp_tok_per_s_32k"] / PAPER["dslp_tok_per_s"],
+        "sim_error_dslp_here": err["mean_abs_pct"],
+        "sim_error_dslp_here_note": "not a validated regime: stand-in ragged_dot is dense per group, unpriced",
+        "assumed_inputs": sorted(prof.assumptions()),
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args("e05_dslp_smallep", __doc__, argv)
     from hmoe_jax.runtime.placement import configure_stand_ins
 
     configure_stand_ins(2)  # host + 2 stand-ins for the measured dslp/ep runs, before jax starts
-    from experiments.common.simval import errors
     from hmoe_jax.plan.profile import load_profile
 
     prof = load_profile(PAPER_MACHINE)
@@ -196,18 +237,12 @@ def main(argv: list[str] | None = None) -> dict:
         "paper machine DSLP (each GPU streams half the experts over its own PCIe link)",
         h2d_gbps_per_gpu=prof["link.h2d_gbps"],
         gpus=prof.accelerators,
-        fp32_tflops_per_gpu=prof["accelerator.fp32_tflops"],
+        fp8_tflops_per_gpu=prof["accelerator.fp8_tflops"],
+        bf16_tflops_per_gpu=prof["accelerator.bf16_tflops"],
     )
     here = measured_here(args.quick)
     proj, extra = projection(args.quick)
-    err = errors([(r["sim_prefill_s"], r["measured_prefill_s"]) for r in here])
-    summary = {
-        **extra,
-        "dslp_over_paper_32k": extra["dslp_tok_per_s_32k"] / PAPER["dslp_tok_per_s"],
-        "sim_error_dslp_here": err["mean_abs_pct"],
-        "sim_error_dslp_here_note": "not a validated regime: stand-in ragged_dot is dense per group, unpriced",
-        "assumed_inputs": sorted(prof.assumptions()),
-    }
+    summary = summarise(here, extra, prof)
     return emit_record(
         args,
         claim="DSLP + SmallEP ~1,800 tok/s on two RTX 5090s, 45K prompt within 30 s; SmallEP moves less than EP at EP size <= top-k (projected by the simulator)",

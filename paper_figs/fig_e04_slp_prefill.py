@@ -35,6 +35,14 @@ def main() -> None:
             [r["prompt_len"] for r in rows], [r["ttft_s"] for r in rows], style, label=f"{sched} (projected)"
         )
         mark_no_fit(a, rows, "prompt_len", "ttft_s")
+        if sched == "slp":
+            wi = [r for r in rows if "whatif_no_fp8_gemm_ttft_s" in r]
+            a.plot(
+                [r["prompt_len"] for r in wi],
+                [r["whatif_no_fp8_gemm_ttft_s"] for r in wi],
+                "o:",
+                label="slp without FP8 GEMMs (what-if)",
+            )
     a.axhline(30, color="grey", ls=":", label="30 s TTFT budget")
     a.plot([32768], [30], "r*", ms=12, label="paper: 32K within 30 s")
     a.set_xscale("log", base=2)

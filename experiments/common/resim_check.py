@@ -1,11 +1,11 @@
-"""Re-simulate committed e03 / e04 / e06 records with today's simulator and compare.
+"""Re-simulate committed e03 / e04 / e05 / e06 records with today's simulator and compare.
 
     python -m experiments.common.resim_check                      # the newest full record of each
     python -m experiments.common.resim_check results/e04_slp_prefill_<stamp>.json ...
 
 A restructure that must not change the simulator (or the plans it times) is checked here: the
 measured rows of each record are kept as they were (times, read probes, link caps), their
-simulated side is recomputed by the same function the experiment uses (e03/e04 `sim_here`,
+simulated side is recomputed by the same function the experiment uses (e03/e04/e05 `sim_here`,
 e06's `resimulate`), the projection rows are recomputed from scratch, and every simulated row
 field and summary key is compared with the committed value after a JSON round trip (floats
 survive it exactly, so "identical" means bit-identical). Exit status 1 and a list of the keys
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-EXPERIMENTS = ("e03_decode", "e04_slp_prefill", "e06_concurrency")
+EXPERIMENTS = ("e03_decode", "e04_slp_prefill", "e05_dslp_smallep", "e06_concurrency")
 
 
 def _bench_cfg(quick: bool):
@@ -55,6 +55,16 @@ def _resim_e04(rec: dict[str, Any]) -> tuple[list[dict], dict]:
     return here + proj, e04.summarise(here, extra, load_profile(e04.PAPER_MACHINE))
 
 
+def _resim_e05(rec: dict[str, Any]) -> tuple[list[dict], dict]:
+    from experiments import e05_dslp_smallep as e05
+    from hmoe_jax.plan.profile import load_profile
+
+    cfg = e05.here_config()
+    here = [{**r, **e05.sim_here(cfg, r)} for r in rec["rows"] if r["part"] == "measured_here"]
+    proj, extra = e05.projection(rec["config"]["quick"])
+    return here + proj, e05.summarise(here, extra, load_profile(e05.PAPER_MACHINE))
+
+
 def _resim_e06(path: Path) -> tuple[list[dict], dict]:
     from experiments.common.simserve import resimulate
 
@@ -72,6 +82,8 @@ def resimulate_record(path: Path) -> tuple[dict[str, Any], list[dict], dict]:
         rows, summary = _resim_e03(rec)
     elif name == "e04_slp_prefill":
         rows, summary = _resim_e04(rec)
+    elif name == "e05_dslp_smallep":
+        rows, summary = _resim_e05(rec)
     elif name == "e06_concurrency":
         rows, summary = _resim_e06(path)
     else:
