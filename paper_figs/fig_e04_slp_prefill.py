@@ -1,6 +1,6 @@
 """e04 as two panels, from its JSON record only (no jax): (left) projected TTFT vs prompt
 length on the paper's machine (one RTX 5090) for the cpu schedule and slp, the 30 s budget
-and the paper's "32K within 30 s" as comparison; (right) measured here vs simulated prefill
+and the paper's "32K within 30 s" as comparison, with slp without FP8 GEMMs as a what-if; (right) measured here vs simulated prefill
 time of the bench twin per schedule and length (the validation).
 
     python paper_figs/fig_e04_slp_prefill.py [results/e04_slp_prefill_<stamp>.json] --out paper_figs/e04_slp_prefill.png
