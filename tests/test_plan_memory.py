@@ -228,7 +228,9 @@ def test_one_layer_dslp_pieces_at_32k_on_two_ranks_stay_bounded():
     assert temp["attention"] < 3 * GIB and temp["moe"] < 3 * GIB and temp["dense_ffn"] < 3 * GIB, temp
     experts = V3.n_routed_experts // 2 * costs.expert_bytes(V3)
     assert experts < probes["moe"].arg_bytes < experts + 1 * GIB
-    est = memory.dslp_rank_temps(V3, 32768, 2)  # the estimates are within 2x, not below 0.8x
+    # the estimates of the form compiled here (its FP8 hook stand-ins dequantise the dense
+    # FFN's weights to bf16, which a GPU's FP8 GEMMs do not) are within 2x, not below 0.8x
+    est = memory.dslp_rank_temps(V3, 32768, 2, probe_dequant=True)
     for k in ("attention", "moe", "dense_ffn"):
         assert 0.8 < est[k] / temp[k] < 2.0, (k, est[k], temp[k])
 

@@ -489,7 +489,9 @@ def dslp_attention_temp(
     return max(walk, proj, end) + weights
 
 
-def dslp_rank_temps(cfg: ModelConfig, padded_tokens: int, ranks: int, act: int = 2) -> dict[str, int]:
+def dslp_rank_temps(
+    cfg: ModelConfig, padded_tokens: int, ranks: int, act: int = 2, probe_dequant: bool = False
+) -> dict[str, int]:
     """Estimated per-rank temporaries of the dslp stages as parallel/ computes them under
     a policy (act = 2: bf16 activations, payloads and cache with FP8 GEMM hooks, a GPU;
     4: the F32 path). attention: dslp_attention_temp. moe (SmallEP in blocks of
@@ -501,7 +503,9 @@ def dslp_rank_temps(cfg: ModelConfig, padded_tokens: int, ranks: int, act: int =
     reads the FP8 stack (F32); the shared expert's SwiGLU on [T_l, D] (it runs after the
     blocks, XLA reuses their buffers). dense: the SwiGLU in blocks of DENSE_FFN_BLOCK
     tokens plus [2C, D] in and out. final: the f32 logits row, and under F32 the lm_head's
-    f32 copy."""
+    f32 copy. probe_dequant: the form compile_probe compiles on XLA:CPU, where the FP8 hooks'
+    stand-ins dequantise the dense FFN's three FP8 weights to bf16 inside the piece (Pallas
+    kernels do not compile for XLA:CPU); a GPU makes no such copy, so plans leave it False."""
     d, e, i, k = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok
     local = padded_tokens // ranks
     lb = min(1024, local)
@@ -512,6 +516,8 @@ def dslp_rank_temps(cfg: ModelConfig, padded_tokens: int, ranks: int, act: int =
     shared = ffn_temp(cfg, local, i * max(cfg.n_shared_experts, 1), act)  # runs after the blocks
     moe = 2 * local * d * act + max(block, shared)
     dense = ffn_temp(cfg, min(2048, local), cfg.intermediate_size, act) + 2 * local * d * act
+    if probe_dequant and act == 2 and cfg.quant is not None:
+        dense += 3 * cfg.intermediate_size * d * 2
     final = cfg.vocab_size * 4 + (cfg.vocab_size * d * 4 if act == 4 else 0)
     return {
         "attention": dslp_attention_temp(cfg, padded_tokens, ranks, act),
