@@ -198,6 +198,20 @@ def _full(shape: tuple[int, ...]) -> pl.BlockSpec:
     return pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
 
 
+def _out_type(shape: tuple[int, ...], dtype: Any, args: list) -> jax.ShapeDtypeStruct:
+    """The kernel's output type. Inside jax.shard_map (check_vma, as dslp's per-rank pieces
+    run) a pallas_call's out_shape must say over which mesh axes its value varies: the union
+    of its operands' (an activation varying over the ranks times a replicated weight varies).
+    jax 0.10 calls this the aval's manual_axis_type, later versions its vma."""
+    avals = [jax.typeof(a) for a in args]
+    mat = getattr(avals[0], "manual_axis_type", None)
+    if mat is not None:
+        varying = frozenset().union(*(a.manual_axis_type.varying for a in avals))
+        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat.update(varying=varying))
+    vma = frozenset().union(*(getattr(a, "vma", frozenset()) for a in avals))
+    return jax.ShapeDtypeStruct(shape, dtype, vma=vma) if vma else jax.ShapeDtypeStruct(shape, dtype)
+
+
 def _call(
     kernel: Any, args: list, in_specs: list, m_pad: int, n: int, block_m: int, interpret: bool
 ) -> jax.Array:
@@ -205,7 +219,7 @@ def _call(
 
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((m_pad, n), jnp.bfloat16),
+        out_shape=_out_type((m_pad, n), jnp.bfloat16, args),
         grid=(m_pad // block_m, n // QBLOCK),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((block_m, QBLOCK), lambda i, j: (i, j)),

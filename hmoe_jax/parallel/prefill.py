@@ -135,7 +135,7 @@ def ffn_fn(
     body = functools.partial(
         _ffn_body,
         cfg=cfg,
-        n_ranks=mesh.devices.size,
+        n_ranks=mesh.size,
         scheme=scheme,
         expert_fn=expert_fn,
         capacity=capacity,
