@@ -19,6 +19,7 @@ import pytest
 from hmoe_jax.config import named_model_config
 from hmoe_jax.engine.engine import Engine
 from hmoe_jax.io.bench_twin import bench_twin_config
+from hmoe_jax.model.precision import BF16_CPU
 from hmoe_jax.plan.buckets import cache_len
 from hmoe_jax.plan.profile import load_profile
 from hmoe_jax.plan.system import SystemSpec
@@ -36,7 +37,8 @@ def _local(link_gbps: float | None = None, read_gbps: float | None = None):
 
 def _engine(cfg, max_len: int, system: SystemSpec):
     """What Engine.plan reads of the validation engine (simval.make_engine)."""
-    eng = types.SimpleNamespace(cfg=cfg, system=system, devices=1, max_len=cache_len(max_len))
+    # the validation engines run the bf16 policy on CPU stand-ins (simval.make_engine)
+    eng = types.SimpleNamespace(cfg=cfg, system=system, devices=1, max_len=cache_len(max_len), prec=BF16_CPU)
     eng.plan = lambda *a, **k: Engine.plan(eng, *a, **k)
     return eng
 
