@@ -342,6 +342,12 @@ def main(argv: list[str] | None = None) -> dict:
     pre.add_argument("--llama-server", default=None, help="a llama.cpp llama-server binary (optional peer)")
     pre.add_argument("--gguf", default=None, help="the GGUF of the same weights, for --llama-server")
     pre.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3; --quick 1)")
+    pre.add_argument(
+        "--expert-fn",
+        choices=["auto", "ref", "ffi"],
+        default=None,
+        help="routed experts of the server and the engine alike (default auto; --quick: ref)",
+    )
     known, rest = pre.parse_known_args(argv)
     args = parse_args("e09_serving", __doc__, rest)
     if (known.llama_server is None) != (known.gguf is None):
@@ -357,9 +363,10 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"[setup] {desc}; load average {load_before}", flush=True)
     work = Path(tempfile.mkdtemp(prefix="e09_"))
     trace_path = work / "serve_trace.json"
-    # --quick: plain-JAX experts (the fused FP8 op dies of SIGILL on the tiny model's
-    # prefill shapes on AVX2-only CPUs; found in this work, reported); full: the default
-    expert_fn = "ref" if quick else "auto"
+    # --quick: plain-JAX experts by default (the installed fused FP8 op dies of SIGILL at
+    # prefill sizes on AVX2-only CPUs: an AVX-512 instance of a shared inline function wins
+    # the link; docs/serve.md); full: the server's default unless --expert-fn says otherwise
+    expert_fn = known.expert_fn or ("ref" if quick else "auto")
     srv = hmoe_server(ckpt, trace_path, max(clients), expert_fn)
     peer = None
     if known.llama_server:
@@ -375,11 +382,18 @@ def main(argv: list[str] | None = None) -> dict:
         for name, url in servers.items():  # warm: every batch size and the prompt's shapes
             bench(url, "decode_n", max(clients), prompt_len, 4, seed, extra=extra.get(name))
             seed += 1
+
+        def alive() -> None:
+            if srv.proc.poll() is not None:
+                raise RuntimeError(f"hmoe serve died ({srv.proc.returncode}): {' | '.join(srv.lines[-20:])}")
+
         for r in range(rounds):
+            alive()
             for b, ts in engine_steps(params, cfg, prompt_len, 3 if quick else 5, seed, expert_fn).items():
                 steps[b] += ts
             seed += 1
             for c in clients:
+                alive()
                 for name, url in servers.items():
                     res = bench(url, "decode_n", c, prompt_len, output_len, seed, extra=extra.get(name))
                     runs.append({"server": name, "kind": "decode", "clients": c, "round": r, "res": res})
