@@ -177,7 +177,7 @@ class Server:
 def hmoe_server(ckpt: Path, trace: Path, max_seqs: int, expert_fn: str) -> Server:
     cmd = [sys.executable, "-m", "hmoe_jax.cli", "serve", "--checkpoint", str(ckpt), "--port", "0"]
     cmd += ["--max-num-seqs", str(max_seqs), "--trace", str(trace), "--expert-fn", expert_fn]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    env = _env()
     return Server(cmd, re.compile(r"listening on (http://\S+)"), env)
 
 
@@ -189,6 +189,13 @@ def llama_server(binary: str, gguf: str, slots: int, ctx_per_slot: int, threads:
         (m.group(0) for ln in srv.lines if (m := re.search(r"http://[\d.]+:\d+", ln))), None
     )
     return srv
+
+
+def _env() -> dict[str, str]:
+    """Subprocesses import this checkout's hmoe_jax first, then whatever PYTHONPATH names
+    (e.g. a private build of the extension: docs/serve.md)."""
+    path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path}
 
 
 def _free_port() -> int:
@@ -214,7 +221,7 @@ def bench(url: str, scenario: str, n: int, prompt_len: int, output_len: int, see
             cmd += ["--extra-body", json.dumps(extra)]
         t0 = time.perf_counter_ns()
         p = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=3600,
-                           env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})  # fmt: skip
+                           env=_env())  # fmt: skip
         t1 = time.perf_counter_ns()
         if p.returncode != 0:
             raise RuntimeError(f"bench {scenario} n={n} against {url} failed: {p.stderr[-2000:]}")
@@ -321,6 +328,15 @@ def run_breakdowns(slices, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------- main
+
+
+def _ffi_path() -> str | None:
+    try:
+        import _hmoe_ffi
+
+        return _hmoe_ffi.__file__
+    except ImportError:
+        return None
 
 
 def med(xs) -> float | None:
@@ -490,6 +506,7 @@ def main(argv: list[str] | None = None) -> dict:
         "rounds": rounds,
         "policy": "paper (hmoe serve default)",
         "expert_fn": expert_fn,
+        "ffi_extension": _ffi_path(),
         "server_warm_up": next((ln for ln in srv.lines if "warmed up" in ln), None),
         "llama_server": known.llama_server,
         "gguf": known.gguf,

@@ -199,19 +199,19 @@ def build_state(args: argparse.Namespace, run: Any) -> tuple[ServerState, Callab
 
 
 def warm_up(backend: Any, vocab_size: int, max_batch: int | None = None) -> float:
-    """One short request end to end, so the first client does not pay for compiling the
-    prefill; then, on the in-process scheduler, every decode batch size up to the policy's
-    decode cap (and max_batch) compiled and the decode arms the policy compares measured
-    (Scheduler.warm_up), so no client pays for a compile or a measurement. Returns seconds."""
+    """On the in-process scheduler first, Scheduler.warm_up: a full prefill chunk (the
+    largest prefill call, first), every decode batch size up to the policy's decode cap (and
+    max_batch) compiled, the decode arms the policy compares measured; then one short
+    request end to end. No client pays for a compile or a measurement. Returns seconds."""
     from hmoe_jax.model.sampling import SamplingParams
 
     t0 = time.perf_counter()
-    h = backend.submit([min(5, vocab_size - 1)] * 8, SamplingParams(max_new_tokens=2, stop_ids=()))
-    h.result(timeout=600)
     if hasattr(backend, "run_exclusive"):
         cap = backend.policy.options.get("decode_cap", max_batch)
         cap = min(int(cap or 1), int(max_batch or cap or 1))
         backend.warm_up_info = backend.run_exclusive(lambda: backend.warm_up(cap))
+    h = backend.submit([min(5, vocab_size - 1)] * 8, SamplingParams(max_new_tokens=2, stop_ids=()))
+    h.result(timeout=600)
     return time.perf_counter() - t0
 
 
