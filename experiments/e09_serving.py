@@ -322,9 +322,44 @@ def run_breakdowns(slices, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if s["resource"] == "sched" and s["name"] == "chunk"
             and r["res"]["window_ns"][0] <= s["start_ns"] <= r["res"]["window_ns"][1]
         ]  # fmt: skip
+        lo, hi = r["res"]["window_ns"]
+        own = [  # the server's own decode steps of exactly c rows in this run (its trace)
+            (s["end_ns"] - s["start_ns"]) / 1e6
+            for s in slices
+            if s["resource"] == "sched" and s["name"] == "decode" and lo <= s["start_ns"] <= hi
+            and s["args"].get("batch") == r["clients"]
+        ]  # fmt: skip
         rows.append({"part": "breakdown", "kind": r["kind"], "clients": r["clients"], "round": r["round"],
-                     "max_chunk_ms": max(chunks, default=None), **b})  # fmt: skip
+                     "max_chunk_ms": max(chunks, default=None),
+                     "own_step_ms": float(np.mean(own)) if own else None, **b})  # fmt: skip
+
     return rows
+
+
+def loop_overhead(slices, batch: int) -> dict[str, Any]:
+    """The serving loop's pace against its own engine steps, from the trace: over every two
+    consecutive `batch`-row decode steps with no other step, prefill, chunk or idle between, the
+    period from one step's start to the next one's against the step's own duration (the
+    difference is the scheduler's and the emit's work between them). Load-immune: both are
+    timed in the same iteration."""
+    sched = sorted((s for s in slices if s["resource"] == "sched"), key=lambda s: s["start_ns"])
+    per, dur = [], []
+    steps = [i for i, s in enumerate(sched) if s["name"] == "decode" and s["args"].get("batch") == batch]
+    for i, j in zip(steps, steps[1:]):
+        if any(sched[k]["name"] in ("chunk", "prefill", "idle", "decode") for k in range(i + 1, j)):
+            continue
+        per.append((sched[j]["start_ns"] - sched[i]["start_ns"]) / 1e6)
+        dur.append((sched[i]["end_ns"] - sched[i]["start_ns"]) / 1e6)
+    if not per:
+        return {"pairs": 0}
+    gap = np.array(per) - np.array(dur)
+    return {
+        "pairs": len(per),
+        "period_ms": float(np.mean(per)),
+        "step_ms": float(np.mean(dur)),
+        "loop_adds_ms": float(gap.mean()),
+        "period_over_step": float(np.mean(per) / np.mean(dur)),
+    }
 
 
 # ---------------------------------------------------------------- main
@@ -483,6 +518,13 @@ def main(argv: list[str] | None = None) -> dict:
             summary[f"throughput_vs_llama_server_c{c}"] = ours / theirs if ours and theirs else None
         summary["llama_server_join_ttft_ms"] = per("llama-server", 0, "join_ttft_ms", "join")
     for c in clients:
+        # the same ratio against the server's own c-row steps, timed in the same window (its
+        # trace): immune to the load changing between the solo measurement and the serving
+        own = med(r["own_step_ms"] for r in rows if r.get("part") == "breakdown" and r["kind"] == "decode"
+                  and r["clients"] == c)  # fmt: skip
+        tpot = summary[f"tpot_all_decoding_ms_c{c}"]
+        summary[f"server_step_ms_c{c}"] = own
+        summary[f"tpot_over_server_step_c{c}"] = tpot / own if tpot and own else None
         b = [r for r in rows if r.get("part") == "breakdown" and r["kind"] == "decode" and r["clients"] == c]
         if b:
             for k in (
@@ -496,6 +538,11 @@ def main(argv: list[str] | None = None) -> dict:
                 "mean_step_ms",
             ):
                 summary[f"breakdown_c{c}_{k}_ms"] = med(x[k] for x in b)
+    for c in clients:
+        lo = loop_overhead(slices, c)
+        rows.append({"part": "loop_overhead", "batch": c, **lo})
+        summary[f"loop_adds_ms_b{c}"] = lo.get("loop_adds_ms")
+        summary[f"loop_period_over_step_b{c}"] = lo.get("period_over_step")
     summary["load_avg_before"], summary["load_avg_after"] = load_before, load_after
     config = {
         "model": desc,

@@ -40,6 +40,8 @@ def test_e09_quick_writes_a_consistent_record(tmp_path):
         )
         assert sm[f"breakdown_c{c}_engine_decode_ms"] > 0  # the trace saw the decode steps
     assert sm["requests_failed"] == 0
+    # the loop's period is never shorter than the step it starts (same trace, same clock)
+    assert sm["loop_period_over_step_b1"] >= 1.0 and sm["loop_adds_ms_b1"] >= 0
     assert sm["join_ttft_ms"] > 0 and sm["join_prefill_chunk_ms"] > 0
     assert isinstance(sm["join_stall_within_one_chunk"], bool)
     # the breakdown's parts are per output token of that bench run
