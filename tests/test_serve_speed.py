@@ -166,3 +166,24 @@ def test_a_measured_step_that_compiled_is_not_recorded():
     assert serve_all(sched2) == refs
     assert (2, 1) in sched2.step_times
     sched2.close()
+
+
+def test_compile_listener_sees_a_new_shape_compile_and_stops_when_uninstalled():
+    import jax
+    import jax.numpy as jnp
+
+    from hmoe_jax.serve.servetrace import CompileListener
+
+    tr = TraceRecorder()
+    c = CompileListener(tr).install()
+    f = jax.jit(lambda x: x * 3 + 1)
+    f(jnp.ones(11)).block_until_ready()
+    n = c.compiles
+    assert n >= 1 and any(
+        s["resource"] == COMPILE and s["name"] == "backend_compile_duration" for s in tr.slices
+    )
+    f(jnp.ones(11)).block_until_ready()  # the same shape: cached, no compile
+    assert c.compiles == n
+    c.uninstall()
+    f(jnp.ones(13)).block_until_ready()  # a new shape compiles, unseen
+    assert c.compiles == n

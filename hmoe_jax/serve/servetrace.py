@@ -92,11 +92,11 @@ class CompileListener:
         return self
 
     def uninstall(self) -> None:
-        from jax._src import monitoring
+        import jax.monitoring
 
         if self._installed:
-            with contextlib.suppress(ValueError):
-                monitoring._event_time_span_listeners.remove(self)
+            with contextlib.suppress(ValueError, AssertionError):
+                jax.monitoring.unregister_event_time_span_listener(self)
             self._installed = False
 
 
