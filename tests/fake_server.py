@@ -8,6 +8,12 @@ processes on one host).
     python tests/fake_server.py --port 0 --ttft-s 0.05 --itl-s 0.02,0.005,0.04
     # prints "fake: listening on http://127.0.0.1:PORT"
 
+Keep-alive as servers do it: --keep-alive-s S closes a connection idle for S seconds between
+requests (cpp-httplib, llama-server's HTTP layer, closes after 5 s); --drop-reused N closes
+the first N requests that arrive on a reused connection without answering (the race a
+pooled client loses when the server's keep-alive ends just as it sends: "Server
+disconnected without sending a response"). GET /dropped returns {"dropped": n}.
+
 Plain asyncio HTTP/1.1 (chunked responses, keep-alive): no framework in the timing path.
 """
 
@@ -22,23 +28,43 @@ from typing import Any
 
 
 class FakeServer:
-    def __init__(self, ttft_s: float, itl_s: list[float], model: str = "fake", chat_role_chunk: bool = True):
+    def __init__(
+        self,
+        ttft_s: float,
+        itl_s: list[float],
+        model: str = "fake",
+        chat_role_chunk: bool = True,
+        keep_alive_s: float | None = None,
+        drop_reused: int = 0,
+    ):
         self.ttft_s, self.itl_s, self.model = ttft_s, itl_s, model
         self.chat_role_chunk = chat_role_chunk
+        self.keep_alive_s, self.drop_reused, self.dropped = keep_alive_s, drop_reused, 0
         self.log: list[dict[str, Any]] = []
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        served = 0
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
+                wait = self.keep_alive_s if served else None
+                try:
+                    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), wait)
+                except TimeoutError:
+                    return  # idle past the keep-alive: close, as the server would
                 arrival = time.perf_counter()
                 lines = head.decode().split("\r\n")
                 method, path, _ = lines[0].split(" ", 2)
                 headers = {k.lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
                 body = await reader.readexactly(int(headers.get("content-length", 0)))
+                if method == "POST" and served and self.dropped < self.drop_reused:
+                    self.dropped += 1
+                    return  # closed without a response, as in the keep-alive race
+                served += 1
                 if method == "GET":
                     obj = {"object": "list", "data": [{"id": self.model, "object": "model", "root": "fake"}]}
-                    await self._json(writer, obj if path == "/v1/models" else self.log)
+                    if path == "/dropped":
+                        obj = {"dropped": self.dropped}
+                    await self._json(writer, obj if path in ("/v1/models", "/dropped") else self.log)
                     continue
                 await self._stream(writer, json.loads(body), arrival, chat=path.endswith("chat/completions"))
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -102,7 +128,8 @@ async def _until(t_s: float, spin_s: float = 0.001) -> None:
 
 
 async def _main(args: argparse.Namespace) -> None:
-    fake = FakeServer(args.ttft_s, [float(x) for x in args.itl_s.split(",") if x.strip()])
+    itl = [float(x) for x in args.itl_s.split(",") if x.strip()]
+    fake = FakeServer(args.ttft_s, itl, keep_alive_s=args.keep_alive_s, drop_reused=args.drop_reused)
     server = await asyncio.start_server(fake.handle, args.host, args.port)
     host, port = server.sockets[0].getsockname()[:2]
     print(f"fake: listening on http://{host}:{port}", file=sys.stderr, flush=True)
@@ -116,6 +143,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--ttft-s", type=float, default=0.05)
     ap.add_argument("--itl-s", default="0.02,0.005,0.04,0.01")
+    ap.add_argument("--keep-alive-s", type=float, default=None, help="close connections idle this long")
+    ap.add_argument(
+        "--drop-reused", type=int, default=0, help="drop this many requests on reused connections"
+    )
     asyncio.run(_main(ap.parse_args(argv)))
 
 

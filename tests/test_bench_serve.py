@@ -90,9 +90,7 @@ def test_scenarios_and_dataset(tmp_path):
 # ---------------------------------------------------------------- against the fake server
 
 
-@pytest.fixture(scope="module")
-def fake(tmp_path_factory):
-    log = tmp_path_factory.mktemp("fake") / "fake.log"
+def start_fake(log: Path, *extra: str):
     cmd = [
         sys.executable,
         str(Path(__file__).with_name("fake_server.py")),  # test-only: not shipped in the package
@@ -100,6 +98,7 @@ def fake(tmp_path_factory):
         str(TTFT_S),
         "--itl-s",
         ",".join(map(str, ITL_S)),
+        *extra,
     ]
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
@@ -107,7 +106,13 @@ def fake(tmp_path_factory):
     while not (m := re.search(r"listening on (http://\S+)", log.read_text())):
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
         time.sleep(0.05)
-    yield m.group(1)
+    return proc, m.group(1)
+
+
+@pytest.fixture(scope="module")
+def fake(tmp_path_factory):
+    proc, url = start_fake(tmp_path_factory.mktemp("fake") / "fake.log")
+    yield url
     proc.terminate()
     proc.wait(10)
 
@@ -234,3 +239,42 @@ def test_bench_reports_a_dead_server(tmp_path):
         text=True,
     )
     assert out.returncode == 1 and "--goodput" in out.stderr
+
+
+def test_bench_resends_a_request_the_server_dropped_before_answering(tmp_path):
+    """The keep-alive race, scripted: the fake closes the first two requests that arrive on a
+    reused connection without a byte of response ("Server disconnected without sending a
+    response"). Each is sent again on a fresh connection: nothing fails, and the result
+    counts the resends; a request the server answered (even with an error) is never resent."""
+    proc, url = start_fake(tmp_path / "fake.log", "--drop-reused", "2")
+    try:
+        ds = tmp_path / "d.jsonl"
+        ds.write_text("".join(json.dumps({"prompt": [7] * 4, "output_len": 5}) + "\n" for _ in range(4)))
+        # one at a time: the /v1/models connection is reused by request 1 (dropped, resent
+        # on a new connection), that one by request 2 (dropped, resent), then no more drops
+        r = run_bench(url, "--dataset", str(ds), "--max-concurrency", "1", "--no-initial-test")
+        assert httpx.get(f"{url}/dropped").json() == {"dropped": 2}
+        assert r["completed"] == 4 and r["failed"] == 0 and r["errors"] == [""] * 4
+        assert r["retries"] == [1, 1, 0, 0]
+        assert len(httpx.get(f"{url}/log").json()) == 4  # each answered exactly once
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_bench_pool_expires_idle_connections_before_servers_close_them(tmp_path):
+    """Common servers close idle keep-alive connections after 5 s (cpp-httplib, uvicorn):
+    the bench's pool drops them sooner, and against a server with a short keep-alive (0.3
+    s) requests spaced around it all complete."""
+    from hmoe_jax.bench.client import KEEPALIVE_EXPIRY_S, limits
+
+    assert KEEPALIVE_EXPIRY_S < 5 and limits().keepalive_expiry == KEEPALIVE_EXPIRY_S
+    proc, url = start_fake(tmp_path / "fake.log", "--keep-alive-s", "0.3")
+    try:
+        r = run_bench(
+            url, "--scenario", "decode_n", "--num-prompts", "6", "--request-rate", "3", "--seed", "2"
+        )
+        assert r["completed"] == 6 and r["failed"] == 0
+    finally:
+        proc.terminate()
+        proc.wait(10)

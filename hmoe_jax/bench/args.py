@@ -36,4 +36,10 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-ignore-eos", action="store_true", help="let the model stop at EOS (lengths vary)")
     p.add_argument("--no-initial-test", action="store_true", help="skip the one-request check before the run")
     p.add_argument("--result-file", type=Path, default=None, help="also write the JSON result here")
+    p.add_argument(
+        "--extra-body",
+        default=None,
+        metavar="JSON",
+        help="fields merged into every request body, e.g. '{\"cache_prompt\": false}' for llama-server",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")

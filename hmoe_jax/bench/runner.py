@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 
 from hmoe_jax.bench import BenchError
-from hmoe_jax.bench.client import payload, send
+from hmoe_jax.bench.client import limits, payload, send
 from hmoe_jax.bench.stats import RequestOutput, calculate_metrics, parse_goodput
 from hmoe_jax.bench.workload import (
     BenchRequest,
@@ -52,6 +52,7 @@ class BenchConfig:
     initial_test: bool = True
     progress: bool = True
     timeout_s: float = 6 * 3600  # vLLM's client timeout
+    extra_body: dict[str, Any] = dataclasses.field(default_factory=dict)  # merged into every body
 
 
 def _api(cfg: BenchConfig) -> str:
@@ -68,13 +69,19 @@ async def run_benchmark(cfg: BenchConfig, requests: Sequence[BenchRequest]) -> d
     if not requests:
         raise ValueError("no requests to send")
     chat = cfg.endpoint == "chat"
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(cfg.timeout_s)
-    async with httpx.AsyncClient(base_url=cfg.url.rstrip("/"), limits=limits, timeout=timeout) as client:
+    async with httpx.AsyncClient(base_url=cfg.url.rstrip("/"), limits=limits(), timeout=timeout) as client:
         model = cfg.model or await _model_id(client)
 
         def body(r: BenchRequest, n_out: int | None = None) -> dict[str, Any]:
-            return payload(model, r.prompt, n_out or r.output_len, chat=chat, ignore_eos=cfg.ignore_eos)
+            return payload(
+                model,
+                r.prompt,
+                n_out or r.output_len,
+                chat=chat,
+                ignore_eos=cfg.ignore_eos,
+                extra=cfg.extra_body,
+            )
 
         if cfg.initial_test:
             first = requests[0]
@@ -115,6 +122,7 @@ async def run_benchmark(cfg: BenchConfig, requests: Sequence[BenchRequest]) -> d
         bar.close()
     res = calculate_metrics(outputs, duration, goodput=cfg.goodput, percentiles=cfg.percentiles)
     res["generated_texts"] = [o.generated_text for o in outputs]
+    res["retries"] = [o.retries for o in outputs]
     res["start_s"] = [o.start_s - t0 for o in outputs]
     return {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S"),
@@ -190,6 +198,11 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         if args.max_concurrency is not None and args.max_concurrency < 1:
             raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
         arrival_gaps(1, args.request_rate, args.burstiness)  # validates both
+        extra = json.loads(args.extra_body) if args.extra_body else {}
+        if not isinstance(extra, dict):
+            raise ValueError(f"--extra-body must be a JSON object, got {args.extra_body!r}")
+    except json.JSONDecodeError as e:
+        raise BenchError(f"--extra-body is not valid JSON: {e}") from None
     except (ValueError, OSError) as e:
         raise BenchError(str(e)) from None
     cfg = BenchConfig(
@@ -205,6 +218,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         ignore_eos=not args.no_ignore_eos,
         initial_test=not args.no_initial_test,
         progress=not args.quiet,
+        extra_body=extra,
     )
     try:
         res = asyncio.run(run_benchmark(cfg, reqs))

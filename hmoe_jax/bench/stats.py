@@ -35,7 +35,8 @@ class RequestOutput:
     output_tokens: int = 0
     generated_text: str = ""
     error: str = ""
-    start_s: float = 0.0  # perf_counter when sent
+    start_s: float = 0.0  # perf_counter when sent (the attempt that got a response)
+    retries: int = 0  # attempts that failed before the server sent any byte (client.py)
 
 
 def parse_goodput(items: Sequence[str]) -> dict[str, float]:

@@ -8,6 +8,8 @@ ignore_eos):
   1p1d          one decode stream; once its first token is back, a long prefill arrives
   1p2d          two decode streams, then a long prefill
   decode_n      --num-prompts concurrent decode streams (short prompts)
+  join          --num-prompts decode streams; once each has streamed a token, one more prompt
+                of --long-prompt-len tokens arrives (one output token: its TTFT while N decode)
   random        --num-prompts requests of --prompt-len / --output-len (+- --range-ratio)
 Dataset: JSON Lines (or one JSON list), each {"prompt": text or [ids], "output_len": N}.
 """
@@ -40,7 +42,7 @@ class ScenarioSizes:
     range_ratio: float = 0.0
 
 
-SCENARIOS = ("long_prefill", "1p1d", "1p2d", "decode_n", "random")
+SCENARIOS = ("long_prefill", "1p1d", "1p2d", "decode_n", "join", "random")
 
 
 def _ids(rng: np.random.Generator, n: int) -> list[int]:
@@ -64,6 +66,9 @@ def scenario(name: str, sizes: ScenarioSizes, seed: int = 0) -> list[BenchReques
         return [*decodes, req(s.long_prompt_len, 1, tuple(range(n_dec)))]
     if name == "decode_n":
         return [req(s.prompt_len, s.output_len) for _ in range(s.num_prompts)]
+    if name == "join":
+        decodes = [req(s.prompt_len, s.output_len) for _ in range(s.num_prompts)]
+        return [*decodes, req(s.long_prompt_len, 1, tuple(range(s.num_prompts)))]
     lo = lambda v: max(1, int(v * (1 - s.range_ratio)))
     hi = lambda v: max(lo(v), int(v * (1 + s.range_ratio)))
     return [

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 
@@ -84,7 +85,18 @@ def add_serve_parsers(sub: Any) -> None:
     s.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM"
     )
-    s.add_argument("--no-warmup", action="store_true", help="do not run one request before binding the port")
+    s.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="do not warm up (one request, every decode batch size compiled) before binding the port",
+    )
+    s.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        help="write a Perfetto trace of the serving path (scheduler, HTTP/SSE, compiles) here at shutdown",
+    )
+    s.add_argument("--trace-engine", action="store_true", help="with --trace: every engine op too (slower)")
     s.add_argument(
         "--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"]
     )

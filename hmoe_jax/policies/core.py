@@ -159,7 +159,12 @@ class ServingCore:
         step_s seconds (the paper policy's dual-batch "auto" compares the arms)."""
         self.last_decode_s = now_s
         if arm is not None and step_s is not None:
-            self.step_times[arm] = step_s
+            self.measured(arm, step_s)
+
+    def measured(self, arm: tuple[int, int], step_s: float) -> None:
+        """A decode arm (batch, micro-batches) was timed at step_s seconds (by a measured
+        step, or before serving by the runner's warm-up, which decodes no request)."""
+        self.step_times[arm] = float(step_s)
 
     def finish(self, rid: int) -> Tracked | None:
         """The request ends (finished, cancelled or failed): it leaves the core and releases

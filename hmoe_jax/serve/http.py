@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from hmoe_jax.serve import openai_protocol as P
 from hmoe_jax.serve.metrics import ServerMetrics
 from hmoe_jax.serve.request import Backend, RequestError, RequestHandle
+from hmoe_jax.serve.servetrace import HTTP
 
 
 @dataclasses.dataclass
@@ -60,8 +61,10 @@ class ServerState:
         healthy: Callable[[], bool] = lambda: True,
         kv_usage: Callable[[], float | None] = lambda: None,
         iterations: Callable[[], int | None] = lambda: None,
+        trace: Any = None,
     ):
         self.backend, self.tokenizer, self.chat, self.opt = backend, tokenizer, chat, options
+        self.trace = trace  # a TraceRecorder: each streamed token's wait / detok / send (servetrace.py)
         self.healthy, self.kv_usage, self.iterations = healthy, kv_usage, iterations
         self.metrics = ServerMetrics(options.model_name)
         self.live: dict[int, _Live] = {}
@@ -153,6 +156,17 @@ class ServerState:
             m.kv_usage.set(kv)
         if (it := self.iterations()) is not None:
             m.iterations.set(it)
+
+
+def _trace_token(tr: Any, h: RequestHandle, i: int, recv_ns: int, yield_ns: int, sent_ns: int | None) -> None:
+    """Token i of h on the http track: wait (the scheduler emitted it -> the event loop took
+    it), detok (text and chunk), send (the ASGI send until the generator resumed)."""
+    emitted = h.request.token_s[i] if i < len(h.request.token_s) else None
+    if emitted is not None:
+        tr.add(HTTP, "wait", int(emitted * 1e9), recv_ns, request=h.id, token=i)
+    tr.add(HTTP, "detok", recv_ns, yield_ns, request=h.id, token=i)
+    if sent_ns is not None:
+        tr.add(HTTP, "send", yield_ns, sent_ns, request=h.id, token=i)
 
 
 def _error_response(e: P.ApiError) -> JSONResponse:
@@ -361,10 +375,12 @@ def create_app(state: ServerState) -> FastAPI:
             first, pending = False, []
             return P.sse(body)
 
+        tr = state.trace
         try:
             try:
                 async for tok in h.astream():
                     recv_s.append(time.perf_counter())
+                    t_recv = time.perf_counter_ns()
                     pending.append(tok)
                     delta = text.push(tok)
                     if text.stopped:
@@ -372,7 +388,13 @@ def create_app(state: ServerState) -> FastAPI:
                         stop_delta = delta
                         break
                     if delta:
-                        yield chunk(delta, None)
+                        body = chunk(delta, None)
+                        t_yield = time.perf_counter_ns()
+                        yield body
+                        if tr is not None:
+                            _trace_token(tr, h, len(recv_s) - 1, t_recv, t_yield, time.perf_counter_ns())
+                    elif tr is not None:
+                        _trace_token(tr, h, len(recv_s) - 1, t_recv, time.perf_counter_ns(), None)
                 tail = stop_delta if text.stopped else text.finish()
                 reason = "stop" if text.stopped else (h.request.finish_reason or "abort")
                 yield chunk(tail, reason)

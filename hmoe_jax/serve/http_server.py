@@ -142,6 +142,11 @@ def build_state(args: argparse.Namespace, run: Any) -> tuple[ServerState, Callab
     )
     policy = _policy(args)
     probes: dict[str, Any] = {}
+    trace = None
+    if getattr(args, "trace", None) is not None:
+        from hmoe_jax.plan.trace import TraceRecorder
+
+        trace = TraceRecorder()
     if args.pd:
         from hmoe_jax.serve.pd import PDCoordinator
 
@@ -167,7 +172,8 @@ def build_state(args: argparse.Namespace, run: Any) -> tuple[ServerState, Callab
         eng = Engine(
             run.host_params, run.cfg, devices=devices, system=system, expert_fn=args.expert_fn, **engine_opts
         )
-        backend = Scheduler(eng, policy).start()
+        backend = Scheduler(eng, policy, trace=trace, trace_engine=bool(getattr(args, "trace_engine", False)))
+        backend.start()
         pool = eng.pool
         probes.update(
             healthy=lambda: backend.healthy,
@@ -189,15 +195,21 @@ def build_state(args: argparse.Namespace, run: Any) -> tuple[ServerState, Callab
         max_in_flight=args.max_in_flight or 8 * args.max_num_seqs,
     )
     chat = ChatTemplate(run.checkpoint, run.tokenizer.encode)
-    return ServerState(backend, run.tokenizer, chat, opts, **probes), close
+    return ServerState(backend, run.tokenizer, chat, opts, trace=trace, **probes), close
 
 
-def warm_up(backend: Any, vocab_size: int) -> float:
-    """One short request end to end, so the first client does not pay for compiling the
-    prefill and the batch-1 decode step. Returns seconds."""
+def warm_up(backend: Any, vocab_size: int, max_batch: int | None = None) -> float:
+    """On the in-process scheduler first, Scheduler.warm_up: a full prefill chunk (the
+    largest prefill call, first), every decode batch size up to the policy's decode cap (and
+    max_batch) compiled, the decode arms the policy compares measured; then one short
+    request end to end. No client pays for a compile or a measurement. Returns seconds."""
     from hmoe_jax.model.sampling import SamplingParams
 
     t0 = time.perf_counter()
+    if hasattr(backend, "run_exclusive"):
+        cap = backend.policy.options.get("decode_cap", max_batch)
+        cap = min(int(cap or 1), int(max_batch or cap or 1))
+        backend.warm_up_info = backend.run_exclusive(lambda: backend.warm_up(cap))
     h = backend.submit([min(5, vocab_size - 1)] * 8, SamplingParams(max_new_tokens=2, stop_ids=()))
     h.result(timeout=600)
     return time.perf_counter() - t0
@@ -217,9 +229,20 @@ def serve(args: argparse.Namespace, run: Any) -> int:
     state, close = build_state(args, run)
     try:
         if not args.no_warmup:
-            secs = warm_up(state.backend, run.cfg.vocab_size)
+            secs = warm_up(state.backend, run.cfg.vocab_size, args.max_num_seqs)
             if not args.quiet:
-                print(f"hmoe serve: warmed up in {secs:.1f} s", file=sys.stderr, flush=True)
+                info = getattr(state.backend, "warm_up_info", None) or {}
+                arms = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in info.get("arms", {}).items())
+                print(
+                    f"hmoe serve: warmed up in {secs:.1f} s"
+                    + (
+                        f" (decode batch 1..{info['batches']} compiled; arms {arms or 'none measured'})"
+                        if info
+                        else ""
+                    ),
+                    file=sys.stderr,
+                    flush=True,
+                )
         config = uvicorn.Config(
             create_app(state),
             host=args.host,
@@ -232,6 +255,12 @@ def serve(args: argparse.Namespace, run: Any) -> int:
         _GracefulServer(config, state).run()
     finally:
         close()
+        if state.trace is not None:
+            # the Perfetto file counts from the first slice: keep where that is on the
+            # perf_counter clock, so the trace lines up with other processes' times
+            state.trace.meta["t0_ns"] = min((s["start_ns"] for s in state.trace.slices), default=0)
+            state.trace.write(args.trace)
+            print(f"hmoe serve: trace written to {args.trace}", file=sys.stderr, flush=True)
     print("hmoe serve: drained and stopped", file=sys.stderr, flush=True)
     return 0
 

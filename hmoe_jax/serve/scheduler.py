@@ -30,15 +30,18 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from hmoe_jax.engine.dual import dual_step, split_micro_batches
 from hmoe_jax.engine.engine import Engine, SeqState
 from hmoe_jax.model.sampling import SamplingParams
 from hmoe_jax.plan.buckets import cache_len
 from hmoe_jax.plan.trace import TraceRecorder
-from hmoe_jax.policies.base import Chunk, Decode, Policy, Prefill
+from hmoe_jax.policies.base import Chunk, Decode, Policy, Prefill, View
 from hmoe_jax.policies.core import CoreRunner, RequestState, ServingCore
 from hmoe_jax.policies.registry import DEFAULT_POLICY, get_policy
 from hmoe_jax.serve.request import Request, RequestHandle, new_request
+from hmoe_jax.serve.servetrace import SCHED, CompileListener, span
 
 
 @dataclasses.dataclass
@@ -56,7 +59,14 @@ class _Entry:
 
 class Scheduler(CoreRunner):
     """Options: policy (a registered name or a Policy), **policy_options; trace (a
-    TraceRecorder every step records into: Perfetto); clock (seconds; perf_counter).
+    TraceRecorder: the loop's phases go to its `sched` track and compiles to `compile`,
+    serve/servetrace.py; with trace_engine, every engine op too: Perfetto); clock
+    (seconds; perf_counter).
+
+    A measured decode step (the policy's dual-batch `auto`) that compiled something is no
+    measurement of the arm: it is not recorded, so the policy asks for the arm again.
+    warm_up() compiles every decode batch size before serving and measures the arms the
+    policy compares, so serving neither compiles nor measures.
 
     The request lifecycle, the View and the decision are the serving core's
     (policies/core.py, shared with the P/D coordinator and the simulator); this class is
@@ -68,6 +78,7 @@ class Scheduler(CoreRunner):
         policy: str | Policy = DEFAULT_POLICY,
         *,
         trace: TraceRecorder | None = None,
+        trace_engine: bool = True,
         clock: Callable[[], float] = time.perf_counter,
         **policy_options: Any,
     ):
@@ -75,6 +86,8 @@ class Scheduler(CoreRunner):
         policy = get_policy(policy, **policy_options) if isinstance(policy, str) else policy
         self.core = ServingCore(policy, engine.devices)
         self.trace, self.clock = trace, clock
+        self.engine_trace = trace if trace_engine else None
+        self.compiles = CompileListener(trace).install()
         self._lock = threading.Condition()
         self._inbox: list[_Entry] = []
         self._cancels: list[int] = []
@@ -82,6 +95,8 @@ class Scheduler(CoreRunner):
         self._lanes: dict[tuple[int, ...], Engine] = {}
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._exclusive = threading.Lock()  # held by each iteration (run_exclusive)
+        self.warm_up_info: dict[str, Any] | None = None
 
     @property
     def iterations(self) -> int:
@@ -123,18 +138,37 @@ class Scheduler(CoreRunner):
 
     # ------------------------------------------------------------ the loop
 
+    def run_exclusive(self, fn: Callable[[], Any]) -> Any:
+        """fn() between two iterations of the loop (the engine is this thread's meanwhile):
+        how a running server warms up."""
+        with self._exclusive:
+            return fn()
+
     def step(self) -> bool:
         """One iteration; returns whether anything ran."""
-        with self._lock:
-            new, self._inbox = self._inbox, []
-            cancels, self._cancels = self._cancels, []
-        for e in new:
-            self._entries[e.req.id] = e
-            self.core.add(e.req.id, int(e.req.prompt.size), e.req.submitted_s)
-        for rid in cancels:
-            self._do_cancel(rid)
-        ran = self._adopt_background()
-        actions = self.core.decide(self.clock(), len(self.engine.pool.free_rows))
+        with self._exclusive:
+            return self._step()
+
+    def _step(self) -> bool:
+        tr = self.trace
+        with span(tr, SCHED, "intake"):
+            with self._lock:
+                new, self._inbox = self._inbox, []
+                cancels, self._cancels = self._cancels, []
+            for e in new:
+                self._entries[e.req.id] = e
+                self.core.add(e.req.id, int(e.req.prompt.size), e.req.submitted_s)
+            for rid in cancels:
+                self._do_cancel(rid)
+        if self.core.in_state(RequestState.PREFILLING):
+            with span(tr, SCHED, "adopt"):
+                ran = self._adopt_background()
+        else:
+            ran = False
+        with span(tr, SCHED, "decide") as info:
+            actions = self.core.decide(self.clock(), len(self.engine.pool.free_rows))
+            if tr is not None and actions:
+                info["actions"] = self.core.log[-1]["actions"]
         for a in actions:
             ran = True
             if isinstance(a, Prefill):
@@ -169,7 +203,7 @@ class Scheduler(CoreRunner):
                 self._fail_all(traceback.format_exc(limit=3))
                 ran = True
             if not ran:
-                with self._lock:
+                with self._lock, span(self.trace, SCHED, "idle"):
                     if not (self._inbox or self._cancels or self._closed):
                         # a background prefill notifies when it ends (no polling: a loop
                         # waking every few ms takes CPU from the prefill it waits for)
@@ -181,6 +215,7 @@ class Scheduler(CoreRunner):
             self._lock.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        self.compiles.uninstall()
         for e in list(self._entries.values()):
             self._finish(e, "cancelled")
         for e in self._inbox:
@@ -203,7 +238,8 @@ class Scheduler(CoreRunner):
             if a.background:
                 self._start_background(e, a)
                 return
-            self.engine.prefill_seq(seq, a.schedule, trace=self.trace)
+            with span(self.trace, SCHED, "prefill", request=a.request, tokens=int(seq.prompt.size)):
+                self.engine.prefill_seq(seq, a.schedule, trace=self.engine_trace)
         except Exception as ex:  # noqa: BLE001 (reported on the request; the loop goes on)
             self._error(e, ex)
             return
@@ -214,7 +250,8 @@ class Scheduler(CoreRunner):
         try:
             seq = e.seq if e.seq is not None else self._admit(e)
             e.req.schedule = "cpu (chunked)"
-            done = self.engine.prefill_seq(seq, "cpu", a.end, trace=self.trace)
+            with span(self.trace, SCHED, "chunk", request=a.request, tokens=a.end - int(seq.pos)):
+                done = self.engine.prefill_seq(seq, "cpu", a.end, trace=self.engine_trace)
         except Exception as ex:  # noqa: BLE001
             self._error(e, ex)
             return
@@ -285,34 +322,107 @@ class Scheduler(CoreRunner):
     def _decode(self, a: Decode) -> None:
         entries = [self._entries[r] for r in a.requests]
         seqs = [e.seq for e in entries]
-        # a measured step runs traced, as the dual arm's does, so the two arms the policy
-        # compares carry the same tracing cost
-        trace = TraceRecorder() if a.measure else self.trace
+        compiles = self.compiles.compiles
         t_step = time.perf_counter()
         try:
-            if a.micro_batches >= 2:
-                dual_step(self.engine, list(split_micro_batches(seqs)), trace)
-            elif a.measure:
-                toks, rows, pos = self.engine.step_inputs(seqs)
-                t0 = time.perf_counter()
-                lg = self.engine.decode_rows(toks, rows, pos, self.engine.pool, trace, mode="pipelined")
-                self.engine.take_step(seqs, lg, time.perf_counter() - t0)
-            else:
-                self.engine.step(seqs, trace)
+            with span(self.trace, SCHED, "decode", batch=len(seqs), micro_batches=a.micro_batches):
+                self._run_step(seqs, a.micro_batches, a.measure)
         except Exception as ex:  # noqa: BLE001 (the step failed: its requests end, others go on)
             for e in entries:
                 self._error(e, ex)
             return
+        step_s = time.perf_counter() - t_step
         now = self.clock()
-        if a.measure:
-            arm = (len(seqs), 2 if a.micro_batches >= 2 and len(seqs) >= 2 else 1)
-            self.core.decoded(now, arm, time.perf_counter() - t_step)
+        if a.measure and self.compiles.compiles == compiles:
+            # a step that compiled a new shape measured the compile, not the arm: not
+            # recorded, so the policy asks for this arm again
+            self.core.decoded(now, _arm(len(seqs), a.micro_batches), step_s)
         else:
             self.core.decoded(now)
-        for e in entries:
-            e.handle.emit(e.seq.tokens[-1], now)
-            if e.seq.done:
-                self._finish(e, e.seq.finish_reason)
+        with span(self.trace, SCHED, "emit", tokens=len(entries)):
+            for e in entries:
+                e.handle.emit(e.seq.tokens[-1], now)
+                if e.seq.done:
+                    self._finish(e, e.seq.finish_reason)
+
+    def _run_step(self, seqs: list[SeqState], micro_batches: int, measure: bool) -> None:
+        """One decode step of seqs: plain, or dual-batch (micro_batches 2). A measured step
+        runs traced, as the dual arm's does, so the two arms the policy compares carry the
+        same tracing cost."""
+        trace = TraceRecorder() if measure else self.engine_trace
+        if micro_batches >= 2:
+            dual_step(self.engine, list(split_micro_batches(seqs)), trace)
+        elif measure:
+            toks, rows, pos = self.engine.step_inputs(seqs)
+            t0 = time.perf_counter()
+            lg = self.engine.decode_rows(toks, rows, pos, self.engine.pool, trace, mode="pipelined")
+            self.engine.take_step(seqs, lg, time.perf_counter() - t0)
+        else:
+            self.engine.step(seqs, trace)
+
+    def warm_up(self, max_batch: int | None = None, *, rounds: int = 3, pos: int = 128) -> dict[str, Any]:
+        """Before serving: compile the decode step of every batch size 1..max_batch (default
+        the engine's rows), and where the policy's decode choice depends on measured steps
+        (it asks to measure), time each arm it compares `rounds` times, interleaved, on
+        scratch pool rows at position `pos`, and give the core their medians. Serving then
+        neither compiles a decode shape nor measures on live requests. Returns what it did:
+        seconds per phase and the arms' medians."""
+        eng = self.engine
+        cap = min(int(max_batch or eng.max_batch), len(eng.pool.free_rows))
+        pos = min(int(pos), eng.max_len - rounds * 2 - 2)
+        out: dict[str, Any] = {"batches": cap, "compile_s": 0.0, "measure_s": 0.0, "arms": {}}
+        seqs = [
+            eng.admit([1], SamplingParams(max_new_tokens=eng.max_len - 1, stop_ids=())) for _ in range(cap)
+        ]
+        try:
+            for s in seqs:
+                s.tokens, s.pos = [1], pos
+            t0 = time.perf_counter()
+            for b in range(1, cap + 1):
+                with span(self.trace, SCHED, "warm_up", batch=b):
+                    self._run_step(seqs[:b], 1, False)
+                    self._run_step(seqs[:b], 1, True)  # the traced (measured) plain arm
+            out["compile_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            arms = sorted({a for b in range(2, cap + 1) for a in self._arms_to_measure(b)})
+            for arm in arms:  # compile each dual arm's traced halves once, untimed
+                self._run_step(seqs[: arm[0]], arm[1], True)
+            times: dict[tuple[int, int], list[float]] = {arm: [] for arm in arms}
+            for _ in range(rounds):
+                for arm in arms:
+                    for s in seqs:  # rewind: every arm decodes the same positions
+                        s.tokens, s.pos = [1], pos
+                    t = time.perf_counter()
+                    self._run_step(seqs[: arm[0]], arm[1], True)
+                    times[arm].append(time.perf_counter() - t)
+            for arm, ts in times.items():
+                self.core.measured(arm, float(np.median(ts)))
+                out["arms"][f"{arm[0]}x{arm[1]}"] = float(np.median(ts))
+            out["measure_s"] = time.perf_counter() - t0
+        finally:
+            for s in seqs:
+                eng.cancel(s)
+        return out
+
+    def _arms_to_measure(self, batch: int) -> list[tuple[int, int]]:
+        """The (batch, micro-batches) arms the policy would measure for `batch` decoding
+        requests: ask it with a View of that many decoding requests until it stops asking."""
+        arms: list[tuple[int, int]] = []
+        times: dict[tuple[int, int], float] = {}
+        ids = tuple(range(batch))
+        for _ in range(4):
+            view = View(
+                now_s=0.0, devices=self.core.devices, free_rows=0, waiting=(), decoding=ids, step_times=times
+            )
+            acts = [a for a in self.policy.decide(view) if isinstance(a, Decode) and a.measure]
+            if not acts:
+                break
+            arm = _arm(len(acts[0].requests), acts[0].micro_batches)
+            if arm in times:
+                break
+            arms.append(arm)
+            times[arm] = 1.0
+        return arms
 
     # ------------------------------------------------------------ endings
 
@@ -341,6 +451,10 @@ class Scheduler(CoreRunner):
     def _fail_all(self, why: str) -> None:
         for e in list(self._entries.values()):
             self._error(e, RuntimeError(why))
+
+
+def _arm(batch: int, micro_batches: int) -> tuple[int, int]:
+    return batch, 2 if micro_batches >= 2 and batch >= 2 else 1
 
 
 __all__ = ["Scheduler"]
