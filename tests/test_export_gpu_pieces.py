@@ -33,9 +33,9 @@ from hmoe_jax.plan import costs
 from hmoe_jax.quant.fp8 import FP8_DTYPE, Fp8Tensor
 from hmoe_jax.runtime import pieces
 from hmoe_jax.schedules.cpu import shared_fp8_flops
+from tests.hlo_read import TRITON, functions, types
 
 SDS = jax.ShapeDtypeStruct
-TRITON = "__gpu$xla.gpu.triton"
 # custom calls a CUDA export of a piece may hold: Pallas' Triton kernels. XLA's own cuBLAS /
 # cuDNN calls are chosen after export (at compile time on the device), so none appear here.
 ALLOWED_CUSTOM_CALLS = {TRITON}
@@ -51,34 +51,11 @@ TINY, V3 = named_model_config("deepseek_v3_tiny"), named_model_config("deepseek_
 
 # --- reading an export ----------------------------------------------------------------------
 
-_TYPE = re.compile(r"tensor<([0-9x]*)x?([a-zA-Z0-9]+)>")
-
-
-def _types(sig: str) -> list[tuple[tuple[int, ...], str]]:
-    out = []
-    for dims, dt in _TYPE.findall(sig):
-        shape = tuple(int(d) for d in dims.split("x") if d) if dims else ()
-        out.append((shape, dt))
-    return out
-
-
-def _functions(text: str) -> dict[str, list[str]]:
-    funcs: dict[str, list[str]] = {}
-    name = None
-    for line in text.splitlines():
-        m = re.search(r"func\.func (?:public |private )?@([\w$.]+)\(", line)
-        if m:
-            name = m.group(1)
-            funcs[name] = []
-        elif name is not None:
-            funcs[name].append(line)
-    return funcs
-
 
 def _ops(text: str) -> Counter:
     """(kind, details) -> how many times it runs: every op line of every function times the
     number of times the function is reached from main (exports hold no loops here)."""
-    funcs = _functions(text)
+    funcs = functions(text)
 
     @functools.cache
     def expand(fn: str) -> Counter:
@@ -91,11 +68,11 @@ def _ops(text: str) -> Counter:
                 lhs_c = [
                     int(i) for i in re.search(r"contracting_dims = \[([\d, ]*)\]", line).group(1).split(",")
                 ]
-                (a, ta), (_, tb), (res, tr) = _types(line[line.rindex(": (") :])[:3]
+                (a, ta), (_, tb), (res, tr) = types(line[line.rindex(": (") :])[:3]
                 out[("dot", (ta, tb, tr), 2 * math.prod(res) * math.prod(a[i] for i in lhs_c))] += 1
             elif "custom_call @" in line:
                 target = re.search(r"custom_call @([\w$.]+)", line).group(1)
-                sig = _types(line[line.rindex(": (") :])
+                sig = types(line[line.rindex(": (") :])
                 if target == TRITON:
                     w = [s for s, dt in sig[:-1] if dt == "f8E4M3FN"][
                         -1
