@@ -119,7 +119,25 @@ def _head_matmul(p: MLAParams, cfg: ModelConfig, prec: Precision, x: jax.Array, 
     if w is None or isinstance(w, Fp8Tensor):
         kv_b = dense_weight(p.kv_b, prec.dot_dtype).reshape(h, dn + cfg.v_head_dim, r)
         w = kv_b[:, :dn] if which == "uk" else kv_b[:, dn:]
-    return _dot("mhd,hdr->mhr" if which == "uk" else "mhr,hdr->mhd", x, w, prec)
+    row_spec = "hd,hdr->hr" if which == "uk" else "hr,hdr->hd"  # one row: [H, K] -> [H, N]
+    # On XLA:CPU a dot's result for one row depends on how many rows share it (M=1 takes
+    # another path that sums in another order; so does a fused multiply-reduce, measured on
+    # an AVX2 host), so a decode row's logits would depend on the batch it runs in. On a CPU
+    # each row therefore runs through the same one-row product: its sums cannot depend on
+    # the row count. Other backends keep the one batched dot.
+    return lax.platform_dependent(
+        x,
+        w,
+        cpu=lambda x, w: per_row(lambda xr: _dot(row_spec, xr, w, prec), x),
+        default=lambda x, w: _dot("m" + row_spec.replace("->", "->m"), x, w, prec),
+    )
+
+
+def per_row(fn, x: jax.Array) -> jax.Array:
+    """fn over the rows of x [M, ...] one at a time (lax.map): every row goes through the
+    same one-row computation, so its result is the same for any M (a batched op's need
+    not be). Costs M sequential small ops: for the CPU stand-in's small per-head products."""
+    return lax.map(fn, x)
 
 
 def q_absorb(p: MLAParams, cfg: ModelConfig, prec: Precision, q_nope: jax.Array) -> jax.Array:
