@@ -6,7 +6,7 @@ On XLA:CPU a dot's result for one row depends on the row count (M=1 takes anothe
 sums in another order: measured on an AVX2 host, 1e-7 relative at the absorbed MLA's
 per-head products), so the CPU stand-in computes the per-head products of the absorbed form
 (q_absorb, o_unabsorb: f32 weights when kv_b's FP8 blocks do not fit the heads) one row at
-a time (attention._head_matmul). Checked here: those products at the model's shapes for
+a time in decode (attention._head_matmul, rowwise=True). Checked here: those products at the model's shapes for
 M = 1..8 (bit-identical rows; values against a float64 numpy reference), and a whole decode
 step of the trained default model under the engine's bf16 CPU policy (our FFI kernels as
 the matmul hooks) for B = 1..8 rows against each row decoded alone.
@@ -62,7 +62,7 @@ def test_head_products_rows_do_not_depend_on_row_count(shape, absorbed, prec):
         ("o_unabsorb", A.o_unabsorb, o_lat, np.einsum("mhr,hdr->mhd", np.asarray(o_lat, f64), full[:, dn:])),
     ]
     for name, fn, x, ref in cases:
-        f = jax.jit(lambda x, p, fn=fn: fn(p, cfg, prec, x))
+        f = jax.jit(lambda x, p, fn=fn: fn(p, cfg, prec, x, rowwise=True))
         all_rows = np.asarray(f(x, p))
         err = np.abs(all_rows - ref).max()
         assert err <= 1e-5 * np.abs(ref).max(), f"{name}: max err {err:.3g} vs float64 reference"
