@@ -107,11 +107,14 @@ def _dot(spec: str, a, b, prec: Precision):
     )
 
 
-def _head_matmul(p: MLAParams, cfg: ModelConfig, prec: Precision, x: jax.Array, which: str) -> jax.Array:
+def _head_matmul(
+    p: MLAParams, cfg: ModelConfig, prec: Precision, x: jax.Array, which: str, rowwise: bool
+) -> jax.Array:
     """One of kv_b's per-head halves applied to x [M, H, K] -> [M, H, N] f32. which "uk":
     W_uk^T (K = dn, N = R); "uv": W_uv (K = R, N = dv). Weights as placement derived them
     (state.absorbed_weights: FP8 [H, N, K] for the per-head kernel hook, or arrays
-    w_uk [H, dn, R] / w_uv [H, dv, R]); without them, sliced from kv_b here."""
+    w_uk [H, dn, R] / w_uv [H, dv, R]); without them, sliced from kv_b here. rowwise: each
+    row's result must not depend on M (decode: the rows are other sequences)."""
     h, dn, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
     w = p.w_uk if which == "uk" else p.w_uv
     if isinstance(w, Fp8Tensor) and prec.fp8_head_matmul is not None:
@@ -119,17 +122,44 @@ def _head_matmul(p: MLAParams, cfg: ModelConfig, prec: Precision, x: jax.Array, 
     if w is None or isinstance(w, Fp8Tensor):
         kv_b = dense_weight(p.kv_b, prec.dot_dtype).reshape(h, dn + cfg.v_head_dim, r)
         w = kv_b[:, :dn] if which == "uk" else kv_b[:, dn:]
-    return _dot("mhd,hdr->mhr" if which == "uk" else "mhr,hdr->mhd", x, w, prec)
+    row_spec = "hd,hdr->hr" if which == "uk" else "hr,hdr->hd"  # one row: [H, K] -> [H, N]
+    if not rowwise:
+        return _dot("m" + row_spec.replace("->", "->m"), x, w, prec)
+    # On XLA:CPU a dot's result for one row depends on how many rows share it (M=1 takes
+    # another path that sums in another order; so does a fused multiply-reduce, measured on
+    # an AVX2 host), so a decode row's logits would depend on the batch it runs in. On a CPU
+    # each row therefore runs through the same one-row product: its sums cannot depend on
+    # the row count. Other backends keep the one batched dot. Prefill keeps it everywhere: a
+    # chunk is one sequence's tokens, the same rows whatever else is running (and XLA's cost
+    # analysis, which counts a loop body once, sees all of its FLOPs).
+    return lax.platform_dependent(
+        x,
+        w,
+        cpu=lambda x, w: per_row(lambda xr: _dot(row_spec, xr, w, prec), x),
+        default=lambda x, w: _dot("m" + row_spec.replace("->", "->m"), x, w, prec),
+    )
 
 
-def q_absorb(p: MLAParams, cfg: ModelConfig, prec: Precision, q_nope: jax.Array) -> jax.Array:
-    """q_nope [M, H, dn] -> q_lat [M, H, R] f32 (W_uk^T q_nope per head)."""
-    return _head_matmul(p, cfg, prec, q_nope, "uk")
+def per_row(fn, x: jax.Array) -> jax.Array:
+    """fn over the rows of x [M, ...] one at a time (lax.map): every row goes through the
+    same one-row computation, so its result is the same for any M (a batched op's need
+    not be). Costs M sequential small ops: for the CPU stand-in's small per-head products."""
+    return lax.map(fn, x)
 
 
-def o_unabsorb(p: MLAParams, cfg: ModelConfig, prec: Precision, o_lat: jax.Array) -> jax.Array:
-    """o_lat [M, H, R] -> o [M, H, dv] f32 (W_uv o_lat per head)."""
-    return _head_matmul(p, cfg, prec, o_lat, "uv")
+def q_absorb(
+    p: MLAParams, cfg: ModelConfig, prec: Precision, q_nope: jax.Array, *, rowwise: bool = False
+) -> jax.Array:
+    """q_nope [M, H, dn] -> q_lat [M, H, R] f32 (W_uk^T q_nope per head). rowwise: a row's
+    result independent of M (decode; _head_matmul)."""
+    return _head_matmul(p, cfg, prec, q_nope, "uk", rowwise)
+
+
+def o_unabsorb(
+    p: MLAParams, cfg: ModelConfig, prec: Precision, o_lat: jax.Array, *, rowwise: bool = False
+) -> jax.Array:
+    """o_lat [M, H, R] -> o [M, H, dv] f32 (W_uv o_lat per head). rowwise: as q_absorb's."""
+    return _head_matmul(p, cfg, prec, o_lat, "uv", rowwise)
 
 
 def _write_rows(cache: jax.Array, rows: jax.Array, pos: jax.Array, new: jax.Array) -> jax.Array:
@@ -388,7 +418,7 @@ def decode_attention(
     cache_lat = _write_rows(cache_lat, rows, pos, latent)
     cache_rope = _write_rows(cache_rope, rows, pos, k_rope)
     q_nope, q_rope = _rope_q(cfg, _project_q(p, cfg, prec, x), pos)
-    q_lat = q_absorb(p, cfg, prec, q_nope)  # [B, H, R]
+    q_lat = q_absorb(p, cfg, prec, q_nope, rowwise=True)  # [B, H, R]: rows of other sequences
     lat = cache_lat[rows, :kv_len]  # [B, L, R]: the rows' valid prefix (bucketed)
     rope = cache_rope[rows, :kv_len]
     s = _dot("bhr,blr->bhl", q_lat, lat, prec) + _dot("bhd,bld->bhl", q_rope, rope, prec)
@@ -396,6 +426,6 @@ def decode_attention(
     s = jnp.where((jnp.arange(kv_len)[None, :] <= pos[:, None])[:, None, :], s, -jnp.inf)
     probs = jax.nn.softmax(s, axis=-1)
     o_lat = _dot("bhl,blr->bhr", probs, lat, prec)
-    o = o_unabsorb(p, cfg, prec, o_lat)  # [B, H, dv]
+    o = o_unabsorb(p, cfg, prec, o_lat, rowwise=True)  # [B, H, dv]
     out = _lin(o.astype(prec.act_dtype).reshape(b, h * dv), p.o, prec)
     return out.astype(prec.act_dtype), cache_lat, cache_rope
