@@ -1,4 +1,5 @@
 import atexit
+import gc
 import os
 import shutil
 import subprocess
@@ -23,6 +24,39 @@ if "HMOE_ARENA_DIR" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["HMOE_ARENA_DIR"], True)
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# Every XLA:CPU executable holds ~3 memory mappings (code, read-only data, data) and jax's
+# jit caches keep every executable alive for the life of the process. The default lane
+# compiles tens of thousands of programs (a fresh Engine per test closes over new
+# functions), so one pytest process reached Linux's vm.max_map_count (65,530): LLVM's JIT
+# then fails an mmap without checking and XLA segfaults inside the next compile (CI exit
+# 139 at ~89%, in whichever test compiled next). Three engine test files alone left
+# 19,691 mappings; releasing the caches after each module keeps it under ~2,000.
+MAX_MAPS_WARN = 40_000
+
+
+def _mapping_count() -> int | None:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux
+        return None
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs(request):
+    yield
+    gc.collect()
+    jax.clear_caches()
+    gc.collect()
+    n = _mapping_count()
+    if n is not None and n > MAX_MAPS_WARN:  # fail loudly here, not as a segfault later
+        pytest.fail(
+            f"{request.module.__name__} left {n} memory mappings after jax.clear_caches() "
+            f"(Linux stops at vm.max_map_count, 65,530 by default): something keeps compiled "
+            f"executables or mapped arenas alive across tests",
+            pytrace=False,
+        )
 # a profile `hmoe calibrate` wrote on THIS machine (skips the calibration in the run)
 TIMING_PROFILE_ENV = "HMOE_TIMING_PROFILE"
 
