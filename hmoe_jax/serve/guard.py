@@ -206,7 +206,7 @@ class RequestGuard:
             chunks.append(msg.get("body", b""))
             total += len(chunks[-1])
             if total > cap:
-                return _too_large(cap, f"over {cap} bytes (read so far: {total})"), receive
+                return _too_large(cap, f"at least {total} bytes (reading stopped there)"), receive
             if not msg.get("more_body", False):
                 break
         if msg["type"] == "http.request":
