@@ -333,7 +333,7 @@ def test_bad_input_is_a_4xx_naming_the_problem(server, path, body, status, param
 def test_server_keeps_serving_after_bad_input(server):
     for path, body, *_ in BAD[:6]:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        httpx.post(f"{server.url}{path}", content=data)
+        httpx.post(f"{server.url}{path}", content=data, headers={"Content-Type": "application/json"})
     r = httpx.post(f"{server.url}/v1/completions", json={**GOOD, "max_tokens": 6}, timeout=60).json()
     assert r["choices"][0]["text"] == text_of(solo(ids_of(PROMPTS[0]), 6))
     assert httpx.get(f"{server.url}/v1/completions").status_code == 405

@@ -4,6 +4,7 @@
   hmoe serve [--checkpoint DIR] [--host 127.0.0.1] [--port 8000] [--policy NAME]
              [--policy-option KEY=VALUE ...] [--served-model-name NAME] [--max-model-len N]
              [--max-num-seqs N] [--max-in-flight N] [--devices N] [--precision bf16|f32] [--pd]
+             [--api-key KEY] [--max-request-bytes N] [--allowed-hosts H,...] [--allowed-origins O,...]
   hmoe bench serve --url URL (--scenario NAME | --dataset FILE) [--endpoint completions|chat]
              [--request-rate R] [--burstiness G] [--max-concurrency C]
              [--goodput ttft:MS tpot:MS e2el:MS] [--result-file FILE]
@@ -44,6 +45,30 @@ def add_serve_parsers(sub: Any) -> None:
     add_run_args(s)
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost only)")
     s.add_argument("--port", type=int, default=8000, help="0: any free port (printed on stderr)")
+    s.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
+        "(default: $HMOE_API_KEY if set, else no key)",
+    )
+    s.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=None,
+        help="largest request body; past it 413 before the body is read (default 4 MiB)",
+    )
+    s.add_argument(
+        "--allowed-hosts",
+        default=None,
+        metavar="H,...",
+        help="Host header names answered, '*' any (default: localhost names on loopback, else the --host)",
+    )
+    s.add_argument(
+        "--allowed-origins",
+        default=None,
+        metavar="O,...",
+        help="CORS: browser origins allowed, '*' any (default: none, no CORS headers)",
+    )
     s.add_argument(
         "--policy",
         choices=policy_names(),

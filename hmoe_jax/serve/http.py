@@ -10,7 +10,9 @@ the P/D coordinator). Bad input is a 4xx with OpenAI's nested error object namin
 requests, a 429 with Retry-After is answered at once, before any tokenization. A client that
 disconnects has its request cancelled (the scheduler frees its KV row the next iteration);
 the request still counts as in flight until the backend has finished it, so the admission
-count and the gauges never run ahead of the KV it holds.
+count and the gauges never run ahead of the KV it holds. Before any route, the request guard
+(serve/guard.py) checks Host, API key, Content-Type and body size; CORS is off unless
+`allowed_origins` names origins.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hmoe_jax.serve import openai_protocol as P
+from hmoe_jax.serve.guard import DEFAULT_MAX_REQUEST_BYTES, GuardPolicy, RequestGuard
 from hmoe_jax.serve.metrics import ServerMetrics
 from hmoe_jax.serve.request import Backend, RequestError, RequestHandle
 from hmoe_jax.serve.servetrace import HTTP
@@ -39,6 +43,11 @@ class ServeOptions:
     max_model_len: int  # prompt + completion tokens per request (the KV row length)
     max_in_flight: int = 64  # admission bound: accepted, unfinished requests
     retry_after_s: int = 1
+    # the request guard (serve/guard.py): None here means no key / any Host / no CORS
+    api_key: str | None = dataclasses.field(default=None, repr=False)
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    allowed_hosts: tuple[str, ...] | None = None  # `hmoe serve` sets it from the bound address
+    allowed_origins: tuple[str, ...] = ()  # CORS origins; empty: no Access-Control-* headers
 
 
 @dataclasses.dataclass
@@ -199,9 +208,21 @@ def _arrival(request: Request) -> float:
 
 def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="hmoe serve", docs_url=None, redoc_url=None, openapi_url=None)
+    opt = state.opt
+    # add_middleware: the last added runs first. Arrival stamp, then CORS (a preflight is
+    # answered and a refusal still carries the CORS headers a browser needs to read it),
+    # then the guard, before any route reads the body.
+    guard = GuardPolicy(opt.api_key, opt.max_request_bytes, opt.allowed_hosts)
+    app.add_middleware(RequestGuard, policy=guard, on_reject=state.metrics.reject)
+    if opt.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(opt.allowed_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
     app.add_middleware(_ArrivalTime)
     app.state.hmoe = state
-    opt = state.opt
 
     @app.exception_handler(P.ApiError)
     async def _api_error(request: Request, e: P.ApiError) -> JSONResponse:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -125,12 +126,38 @@ def _pd_devices(devices: int | None) -> int:
     return devices // 2
 
 
+def guard_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The ServeOptions of the request guard (serve/guard.py) from --api-key (or $HMOE_API_KEY),
+    --max-request-bytes, --allowed-hosts (default: the names of the bound --host) and
+    --allowed-origins; a bad value is an InputError naming its flag."""
+    from hmoe_jax.io.errors import InputError
+    from hmoe_jax.serve.guard import DEFAULT_MAX_REQUEST_BYTES, default_allowed_hosts, parse_allowed_hosts
+
+    key = getattr(args, "api_key", None)
+    if key is None:
+        key = os.environ.get("HMOE_API_KEY") or None  # empty: no key
+    elif not key:
+        raise InputError("--api-key must not be empty (leave it out to serve without a key)")
+    size = getattr(args, "max_request_bytes", None)
+    size = DEFAULT_MAX_REQUEST_BYTES if size is None else size
+    if size < 1:
+        raise InputError(f"--max-request-bytes must be >= 1, got {size}")
+    hosts_arg = getattr(args, "allowed_hosts", None)
+    try:
+        hosts = parse_allowed_hosts(hosts_arg) if hosts_arg is not None else default_allowed_hosts(args.host)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    origins = tuple(o.strip() for o in (getattr(args, "allowed_origins", None) or "").split(",") if o.strip())
+    return dict(api_key=key, max_request_bytes=size, allowed_hosts=hosts, allowed_origins=origins)
+
+
 def build_state(args: argparse.Namespace, run: Any) -> tuple[ServerState, Callable[[], None]]:
     """The app state (backend included) for parsed `hmoe serve` args and a cli.Run, and the
     function that closes the backend (and its engine)."""
     from hmoe_jax.io.errors import InputError
     from hmoe_jax.plan.buckets import cache_len
 
+    guard = guard_options(args)  # a bad flag is refused before any backend starts
     max_len = args.max_model_len or min(4096, run.max_context)
     if not 1 <= max_len <= run.max_context:
         raise InputError(f"--max-model-len {max_len} must be in [1, {run.max_context}] (the context)")
@@ -193,6 +220,7 @@ def build_state(args: argparse.Namespace, run: Any) -> tuple[ServerState, Callab
         vocab_size=run.cfg.vocab_size,
         max_model_len=min(max_model_len, run.max_context),
         max_in_flight=args.max_in_flight or 8 * args.max_num_seqs,
+        **guard,
     )
     chat = ChatTemplate(run.checkpoint, run.tokenizer.encode)
     return ServerState(backend, run.tokenizer, chat, opts, trace=trace, **probes), close
@@ -227,6 +255,13 @@ def serve(args: argparse.Namespace, run: Any) -> int:
     # rather than 5 ms, so a token waits less between being produced and being sent.
     sys.setswitchinterval(0.001)
     state, close = build_state(args, run)
+    if state.opt.allowed_hosts is None and args.allowed_hosts is None and not args.quiet:
+        print(
+            f"hmoe serve: bound to {args.host}, every Host header is answered; "
+            "--allowed-hosts names the ones to answer (DNS rebinding)",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
         if not args.no_warmup:
             secs = warm_up(state.backend, run.cfg.vocab_size, args.max_num_seqs)
@@ -265,4 +300,4 @@ def serve(args: argparse.Namespace, run: Any) -> int:
     return 0
 
 
-__all__ = ["build_state", "serve", "warm_up"]
+__all__ = ["build_state", "guard_options", "serve", "warm_up"]
