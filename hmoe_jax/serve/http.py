@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from hmoe_jax.io.generation_config import NO_DEFAULTS, GenerationDefaults
 from hmoe_jax.serve import openai_protocol as P
 from hmoe_jax.serve.metrics import ServerMetrics
 from hmoe_jax.serve.request import Backend, RequestError, RequestHandle
@@ -39,6 +40,7 @@ class ServeOptions:
     max_model_len: int  # prompt + completion tokens per request (the KV row length)
     max_in_flight: int = 64  # admission bound: accepted, unfinished requests
     retry_after_s: int = 1
+    generation: GenerationDefaults = NO_DEFAULTS  # generation_config.json's sampling defaults
 
 
 @dataclasses.dataclass
@@ -302,9 +304,12 @@ def create_app(state: ServerState) -> FastAPI:
     ) -> Response:
         if not ids:
             raise P.ApiError(400, "the prompt encodes to no tokens", param="messages" if chat else "prompt")
-        n_new = P.max_new_tokens(req, len(ids), opt.max_model_len, chat=chat)
+        gen = opt.generation
+        n_new = P.max_new_tokens(
+            req, len(ids), opt.max_model_len, chat=chat, default_max_tokens=gen.max_new_tokens
+        )
         try:
-            params = P.sampling_params(req, n_new)
+            params = P.sampling_params(req, n_new, gen)
         except ValueError as e:
             raise P.ApiError(400, str(e)) from None
         h = state.admit(ids, params, arrival)
