@@ -76,3 +76,21 @@ def test_bad_parameters_name_the_problem():
     ]:
         with pytest.raises(ValueError, match=msg):
             SamplingParams(**kw).validate()
+
+
+@pytest.mark.parametrize("top_p", [1e-40, 1e-30])
+def test_a_subnormal_top_p_still_draws_the_argmax(top_p):
+    """top_p = 1e-40 is a valid (0, 1] value but flushes to 0 in f32 on the device; the
+    argmax must still be drawn (it used to come back as token 0 for every row). Reference:
+    numpy's argmax of the logits, and the f64 filtered distribution's one nonzero entry."""
+    rng = np.random.default_rng(5)
+    logits = rng.normal(0, 2.0, size=(6, V)).astype(np.float32)
+    logits[:, 0] = logits.min() - 1.0  # token 0 is never the argmax, so the old bug shows
+    want = np.argmax(logits, axis=-1)
+    for t in (0.3, 1.0, 4.0):
+        params = [SamplingParams(temperature=t, top_p=top_p, seed=s).validate() for s in range(6)]
+        got = sample_batch(logits, params, list(range(6)))
+        assert got.tolist() == want.tolist(), (t, got, want)
+        for row in logits:
+            ref = filtered_probs_ref(row, t, top_p, 0)
+            assert np.flatnonzero(ref).tolist() == [int(np.argmax(row))]

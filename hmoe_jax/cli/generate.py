@@ -5,6 +5,7 @@ schedule; without it a --checkpoint runs `auto` and the embedded tiny model `ref
 
   hmoe generate [--checkpoint DIR] (--prompt TEXT | --tokens 1,2,3) [--max-new-tokens N]
                 [--temperature T] [--top-p P] [--top-k K] [--seed S] [--ignore-eos] [--max-context N]
+                [--generation-config auto|none|DIR]
                 [--schedule NAME --precision P --devices N --trace FILE --link-gbps X --acc-tflops-cap Y
                  --system S] [--no-warmup] [--json]
 
@@ -27,6 +28,7 @@ from typing import Any
 from hmoe_jax.cli.run import (
     DEFAULT_MAX_NEW_TOKENS,
     Run,
+    add_generation_config_arg,
     add_run_args,
     build_run,
     check_context,
@@ -64,16 +66,35 @@ def default_schedule(args: argparse.Namespace) -> str:
     return args.schedule or ("auto" if getattr(args, "checkpoint", None) else "reference")
 
 
-def sampling_params(args: argparse.Namespace) -> Any:
-    """The request's SamplingParams, validated before the model loads (InputError)."""
+def sampling_params(
+    args: argparse.Namespace,
+    defaults: Any = None,
+    n_prompt: int | None = None,
+    max_context: int | None = None,
+) -> Any:
+    """The request's SamplingParams (InputError if bad). A flag that is given wins; else the
+    checkpoint's generation_config.json default (`defaults`, io/generation_config.py); else
+    the builtin default (greedy, top_p 1, top_k off, DEFAULT_MAX_NEW_TOKENS). A
+    max_new_tokens from generation_config.json is cut to the room the context leaves after
+    the prompt (vLLM's rule), as an explicit --max-new-tokens is not: that one errors."""
+    from hmoe_jax.io.generation_config import NO_DEFAULTS
     from hmoe_jax.model.sampling import SamplingParams
 
+    d = defaults or NO_DEFAULTS
+
+    def pick(flag: Any, default: Any, builtin: Any) -> Any:
+        return flag if flag is not None else (default if default is not None else builtin)
+
+    max_new = args.max_new_tokens
+    if max_new is None and d.max_new_tokens is not None:
+        room = max_context - n_prompt if n_prompt is not None and max_context is not None else None
+        max_new = d.max_new_tokens if room is None else max(1, min(d.max_new_tokens, room))
     sampling = SamplingParams(
-        temperature=float(args.temperature),
-        top_p=float(args.top_p),
-        top_k=int(args.top_k),
+        temperature=float(pick(args.temperature, d.temperature, 0.0)),
+        top_p=float(pick(args.top_p, d.top_p, 1.0)),
+        top_k=int(pick(args.top_k, d.top_k, 0)),
         seed=int(args.seed),
-        max_new_tokens=int(args.max_new_tokens),
+        max_new_tokens=int(max_new if max_new is not None else DEFAULT_MAX_NEW_TOKENS),
         stop_ids=() if args.ignore_eos else None,
     )
     try:
@@ -102,7 +123,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="engine accelerator precision: bf16 activations/cache with f32 accumulation (default), or f32",
     )
     p.add_argument(
-        "--top-k", type=int, default=0, help="keep the k most likely tokens when sampling (0 = off)"
+        "--top-k",
+        type=int,
+        default=None,
+        help="keep the k most likely tokens when sampling (0 = off; default: generation_config.json's, else 0)",
     )
     p.add_argument(
         "--devices", type=int, default=None, help="accelerators (stand-in CPU devices without a GPU)"
@@ -146,13 +170,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from hmoe_jax.schedules.registry import SCHEDULES
 
     # Flag errors before the model loads.
-    if args.max_new_tokens < 1:
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.temperature < 0 or not 0 < args.top_p <= 1:
-        raise InputError(
-            f"need --temperature >= 0 and 0 < --top-p <= 1, got {args.temperature} and {args.top_p}"
-        )
-    sampling = sampling_params(args)
+    temperature = 0.0 if args.temperature is None else args.temperature
+    top_p = 1.0 if args.top_p is None else args.top_p
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise InputError(f"need --temperature >= 0 and 0 < --top-p <= 1, got {temperature} and {top_p}")
+    sampling_params(args)  # the flags alone (no generation_config.json yet): InputError if bad
     schedule = default_schedule(args)
     if schedule not in SCHEDULES:
         raise InputError(
@@ -169,7 +193,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     run = build_run(args)
     ids = prompt_ids(args, run)
     source = "--tokens" if args.tokens is not None else f"--prompt (encoded by {run.tokenizer.name})"
-    check_context(len(ids), args.max_new_tokens, run, source)
+    sampling = sampling_params(args, run.generation, len(ids), run.max_context)
+    check_context(len(ids), sampling.max_new_tokens, run, source)
     devices = args.devices or 1
     system = load_system(args.system, devices) if args.system else SystemSpec(num_accelerators=devices)
     try:
@@ -183,7 +208,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             copy_threads=args.copy_threads,
             precision=args.precision,
             max_batch=1,
-            max_len=len(ids) + args.max_new_tokens,
+            max_len=len(ids) + sampling.max_new_tokens,
             require_gpu=args.require_gpu,
         )
         warmup_s = 0.0 if args.no_warmup else _warmup(eng, ids, schedule, sampling)
@@ -252,12 +277,23 @@ def _warmup(eng: Any, ids: list[int], schedule: str, sampling: Any) -> float:
 def add_generate_parser(sub: Any) -> None:
     g = sub.add_parser("generate", help="generate text or token ids")
     add_run_args(g)
+    add_generation_config_arg(g)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (tokenized with the checkpoint's tokenizer.json or bytes)")
     src.add_argument("--tokens", help="prompt token ids, comma-separated")
-    g.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help=f"default: generation_config.json's max_new_tokens (cut to the context), else {DEFAULT_MAX_NEW_TOKENS}",
+    )
+    g.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="0 = greedy (default, unless generation_config.json sets one)",
+    )
+    g.add_argument("--top-p", type=float, default=None, help="default: generation_config.json's, else 1")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the config's eos_token_id")
     g.add_argument("--no-warmup", action="store_true", help="include XLA compilation in TTFT/decode times")

@@ -11,12 +11,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from hmoe_jax.config import ModelConfig
 from hmoe_jax.io.errors import InputError
+from hmoe_jax.io.generation_config import NO_DEFAULTS, GenerationDefaults
 
 # hmoe generate's default --max-new-tokens; hmoe plan sizes its default KV row with it
 DEFAULT_MAX_NEW_TOKENS = 32
@@ -33,6 +35,7 @@ class Run:
     checkpoint: Path
     expert_fn: Any  # hmoe_jax.model.moe.ExpertFn
     max_context: int
+    generation: GenerationDefaults = NO_DEFAULTS  # generation_config.json sampling defaults
     _device_params: Any = None
 
     @property
@@ -68,6 +71,18 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_generation_config_arg(p: argparse.ArgumentParser) -> None:
+    """--generation-config for the commands that sample (generate, serve)."""
+    p.add_argument(
+        "--generation-config",
+        default="auto",
+        metavar="auto|none|DIR",
+        help="default sampling parameters from generation_config.json: auto (default) the checkpoint's "
+        "if present, DIR a folder holding one, none the builtin defaults; explicit flags / request "
+        "fields win",
+    )
+
+
 def build_run(args: argparse.Namespace) -> Run:
     """Load the model and resolve run options. New run flags plug in here. JAX's platforms
     are checked first (engine/gpu.py: the hybrid engine needs the cpu backend; --require-gpu
@@ -78,6 +93,7 @@ def build_run(args: argparse.Namespace) -> Run:
     if getattr(args, "require_gpu", False):
         check_gpu(required=True)
     from hmoe_jax.io.default_model import default_checkpoint
+    from hmoe_jax.io.generation_config import load_generation_config
     from hmoe_jax.io.loader import load_checkpoint
     from hmoe_jax.io.tokenizer import load_tokenizer
     from hmoe_jax.model.moe import experts_ref
@@ -88,6 +104,10 @@ def build_run(args: argparse.Namespace) -> Run:
     else:
         ckpt = args.checkpoint
         model = ckpt.name
+    # before the weights: a malformed generation_config.json fails fast
+    generation = load_generation_config(ckpt, getattr(args, "generation_config", None))
+    if generation.source is not None and not args.quiet:
+        print(f"hmoe: {generation.describe()}", file=sys.stderr)
     cfg, params = load_checkpoint(ckpt, progress=progress)
     max_context = cfg.max_position_embeddings
     if args.max_context is not None:
@@ -104,6 +124,7 @@ def build_run(args: argparse.Namespace) -> Run:
         checkpoint=ckpt,
         expert_fn=experts_ref,
         max_context=max_context,
+        generation=generation,
     )
 
 

@@ -5,6 +5,7 @@
              [--policy-option KEY=VALUE ...] [--served-model-name NAME] [--max-model-len N]
              [--max-num-seqs N] [--max-in-flight N] [--devices N] [--precision bf16|f32] [--pd]
              [--api-key KEY] [--max-request-bytes N] [--allowed-hosts H,...] [--allowed-origins O,...]
+             [--generation-config auto|none|DIR]
   hmoe bench serve --url URL (--scenario NAME | --dataset FILE) [--endpoint completions|chat]
              [--request-rate R] [--burstiness G] [--max-concurrency C]
              [--goodput ttft:MS tpot:MS e2el:MS] [--result-file FILE]
@@ -38,11 +39,12 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
 def add_serve_parsers(sub: Any) -> None:
     from hmoe_jax.bench.args import add_bench_serve_args
-    from hmoe_jax.cli.run import add_run_args
+    from hmoe_jax.cli.run import add_generation_config_arg, add_run_args
     from hmoe_jax.policies.registry import DEFAULT_POLICY, policy_names
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
     add_run_args(s)
+    add_generation_config_arg(s)
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost only)")
     s.add_argument("--port", type=int, default=8000, help="0: any free port (printed on stderr)")
     s.add_argument(

@@ -52,7 +52,10 @@ def _filter_row(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, top
     keep = rank < jnp.where(top_k > 0, top_k, v)
     zs = jnp.where(keep, zs, -jnp.inf)
     probs = jax.nn.softmax(zs)
-    keep = keep & ((jnp.cumsum(probs) - probs) < top_p)
+    # rank 0 (the argmax) is kept explicitly: a top_p below f32's smallest normal (~1.2e-38)
+    # flushes to 0 on the device, `0 < 0` would drop every token and the draw from all -inf
+    # would return token 0 whatever the logits.
+    keep = keep & (((jnp.cumsum(probs) - probs) < top_p) | (rank == 0))
     return jnp.full((v,), -jnp.inf, jnp.float32).at[order].set(jnp.where(keep, zs, -jnp.inf))
 
 
@@ -102,7 +105,7 @@ def filtered_probs_ref(logits: np.ndarray, temperature: float, top_p: float, top
     keep = np.arange(z.size) < (top_k if top_k > 0 else z.size)
     p = np.where(keep, np.exp(zs - zs[keep].max()), 0.0)
     p /= p.sum()
-    keep &= (np.cumsum(p) - p) < top_p
+    keep &= ((np.cumsum(p) - p) < top_p) | (np.arange(z.size) == 0)
     out = np.zeros_like(z)
     out[order] = np.where(keep, p, 0.0)
     return out / out.sum()

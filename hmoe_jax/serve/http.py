@@ -28,6 +28,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from hmoe_jax.io.generation_config import NO_DEFAULTS, GenerationDefaults
 from hmoe_jax.serve import openai_protocol as P
 from hmoe_jax.serve.guard import DEFAULT_MAX_REQUEST_BYTES, GuardPolicy, RequestGuard
 from hmoe_jax.serve.metrics import ServerMetrics
@@ -48,6 +49,7 @@ class ServeOptions:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     allowed_hosts: tuple[str, ...] | None = None  # `hmoe serve` sets it from the bound address
     allowed_origins: tuple[str, ...] = ()  # CORS origins; empty: no Access-Control-* headers
+    generation: GenerationDefaults = NO_DEFAULTS  # generation_config.json's sampling defaults
 
 
 @dataclasses.dataclass
@@ -323,9 +325,12 @@ def create_app(state: ServerState) -> FastAPI:
     ) -> Response:
         if not ids:
             raise P.ApiError(400, "the prompt encodes to no tokens", param="messages" if chat else "prompt")
-        n_new = P.max_new_tokens(req, len(ids), opt.max_model_len, chat=chat)
+        gen = opt.generation
+        n_new = P.max_new_tokens(
+            req, len(ids), opt.max_model_len, chat=chat, default_max_tokens=gen.max_new_tokens
+        )
         try:
-            params = P.sampling_params(req, n_new)
+            params = P.sampling_params(req, n_new, gen)
         except ValueError as e:
             raise P.ApiError(400, str(e)) from None
         h = state.admit(ids, params, arrival)

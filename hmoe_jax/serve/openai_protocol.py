@@ -6,7 +6,10 @@ with stop strings. Plain data and text: no jax, no HTTP framework.
 Field semantics follow the OpenAI API and vLLM's extensions where OpenAI has none
 (`top_k`, `ignore_eos`, `return_token_ids`, `stream_options.continuous_usage_stats`,
 `/tokenize`). Defaults as OpenAI documents them: temperature 1, top_p 1; max_tokens 16 for
-completions, the rest of the context for chat (vLLM's choice).
+completions, the rest of the context for chat (vLLM's choice). A checkpoint's
+generation_config.json (`hmoe serve --generation-config auto`, io/generation_config.py)
+replaces these defaults as vLLM does: its temperature / top_p / top_k, and its
+max_new_tokens as max_tokens (cut to the rest of the context); a request field given wins.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from hmoe_jax.io.generation_config import NO_DEFAULTS, GenerationDefaults
 from hmoe_jax.model.sampling import SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
@@ -198,21 +202,38 @@ def stop_strings(req: _SamplingFields) -> list[str]:
     return [req.stop] if isinstance(req.stop, str) else list(req.stop)
 
 
-def sampling_params(req: _SamplingFields, max_new_tokens: int) -> SamplingParams:
-    temperature = 1.0 if req.temperature is None else float(req.temperature)
+def _pick(given: Any, default: Any, builtin: Any) -> Any:
+    return given if given is not None else (default if default is not None else builtin)
+
+
+def sampling_params(
+    req: _SamplingFields, max_new_tokens: int, defaults: GenerationDefaults = NO_DEFAULTS
+) -> SamplingParams:
+    """A request field that is given wins; else generation_config.json's default; else OpenAI's."""
+    temperature = float(_pick(req.temperature, defaults.temperature, 1.0))
     seed = req.seed if req.seed is not None else (secrets.randbelow(2**32) if temperature > 0 else 0)
     return SamplingParams(
         temperature=temperature,
-        top_p=1.0 if req.top_p is None else float(req.top_p),
-        top_k=max(0, req.top_k or 0),
+        top_p=float(_pick(req.top_p, defaults.top_p, 1.0)),
+        top_k=max(0, _pick(req.top_k, defaults.top_k, 0)),
         seed=int(seed),
         max_new_tokens=int(max_new_tokens),
         stop_ids=() if req.ignore_eos else None,
     ).validate()
 
 
-def max_new_tokens(req: _SamplingFields, prompt_len: int, max_model_len: int, *, chat: bool) -> int:
-    """The request's token budget, or ApiError(400) when prompt + budget exceed the context."""
+def max_new_tokens(
+    req: _SamplingFields,
+    prompt_len: int,
+    max_model_len: int,
+    *,
+    chat: bool,
+    default_max_tokens: int | None = None,
+) -> int:
+    """The request's token budget, or ApiError(400) when prompt + budget exceed the context.
+    Without max_tokens: chat runs to the end of the context (vLLM), completions 16 (OpenAI);
+    `default_max_tokens` (generation_config.json's max_new_tokens) replaces both, and like
+    them is cut to the room the context leaves, never an error."""
     asked = getattr(req, "max_completion_tokens", None) or req.max_tokens
     param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
     where = "messages" if chat else "prompt"
@@ -224,11 +245,10 @@ def max_new_tokens(req: _SamplingFields, prompt_len: int, max_model_len: int, *,
             param=where,
         )
     if asked is None:
-        return (
-            max_model_len - prompt_len
-            if chat
-            else min(COMPLETIONS_DEFAULT_MAX_TOKENS, max_model_len - prompt_len)
-        )
+        room = max_model_len - prompt_len
+        if default_max_tokens is not None:
+            return min(int(default_max_tokens), room)
+        return room if chat else min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
     if prompt_len + asked > max_model_len:
         raise ApiError(
             400,
