@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 from hmoe_jax.serve.guard import default_allowed_hosts, host_name, parse_allowed_hosts
 from hmoe_jax.serve.http import ServeOptions, ServerState, create_app
 from hmoe_jax.serve.openai_protocol import ChatTemplate
-from tests.test_serve_http_app import TOK, StubBackend, ids
+from tests.serve_stub import TOK, StubBackend, ids
 
 BODY = {"model": "stub", "prompt": "hi", "max_tokens": 3, "temperature": 0}
 KEY = "sk-test-0123456789"

@@ -10,7 +10,7 @@ import tomllib
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
-HELPERS = {"helpers", "hf_ref", "kernel_helpers", "hlo_read", "conftest"}
+HELPERS = {"helpers", "hf_ref", "kernel_helpers", "hlo_read", "conftest", "serve_stub"}
 
 
 def _imported_modules(path: Path) -> list[str]:
