@@ -75,7 +75,9 @@ PYTHON_WORDS = ("self", "return", "def ", "if ", "import", "None", "for ", " in 
 
 
 def test_quick_start_generate_prints_python_like_text(tmp_path):
-    """README Quick start: `hmoe generate --prompt "def main("` as a real process."""
+    """README Quick start: `hmoe generate --prompt "def main("` as a real process. It samples
+    with the shipped generation_config.json (seed 0), so it asks for 96 tokens: enough of a
+    sampled stream to judge, as 48 were of the greedy one."""
     exe = shutil.which("hmoe")
     cmd = (
         [exe]
@@ -84,14 +86,60 @@ def test_quick_start_generate_prints_python_like_text(tmp_path):
     )
     env = dict(os.environ, HMOE_CACHE=str(tmp_path))
     env.pop(default_model.ENV_VAR, None)
-    args = ["generate", "--prompt", "def main(", "--max-new-tokens", "48", "--ignore-eos", "--json"]
+    args = ["generate", "--prompt", "def main(", "--max-new-tokens", "96", "--ignore-eos", "--json"]
     p = subprocess.run(cmd + args, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-2000:]
     rec = json.loads(p.stdout.strip().splitlines()[-1])
     assert rec["model"].startswith("deepseek_v3_stdlib") and rec["tokenizer"] == "tokenizer.json"
     text = rec["text"]
-    assert len(rec["tokens"]) == 48 and text.isascii(), text
+    assert len(rec["tokens"]) == 96 and text.isascii(), text
     found = [w for w in PYTHON_WORDS if w in text]
     assert len(found) >= 4, (found, text)
     assert re.search(r"[A-Za-z_][A-Za-z_0-9]*\(", text) or "\n    " in text, text
     assert not [c for c in tmp_path.iterdir() if c.name.startswith("deepseek_v3_tiny-")]  # no synthetic made
+
+
+def _repeated_8grams(ids: list[int]) -> int:
+    """Occurrences of an 8-gram of ids that already occurred (counted independently of
+    tools/choose_generation_config.py: all 8-grams minus the distinct ones)."""
+    grams = [tuple(ids[i : i + 8]) for i in range(len(ids) - 7)]
+    return len(grams) - len(set(grams))
+
+
+def test_quick_start_samples_with_the_shipped_generation_config_and_does_not_loop(capsys, monkeypatch):
+    """Issue #28: the README's `hmoe generate --prompt "def main("` on the shipped model uses
+    its generation_config.json (chosen by tools/choose_generation_config.py, docs/training.md)
+    and 200 tokens of it hold no repeated 8-gram; greedy (--generation-config none) loops,
+    which is why the file exists."""
+    from hmoe_jax.cli import main
+
+    monkeypatch.delenv(default_model.ENV_VAR, raising=False)
+    shipped = json.loads((SHIPPED / "generation_config.json").read_text())
+    assert shipped["do_sample"] is True and shipped["temperature"] > 0, shipped
+    args = [
+        "generate",
+        "--prompt",
+        "def main(",
+        "--max-new-tokens",
+        "200",
+        "--ignore-eos",
+        "--json",
+        "--no-warmup",
+    ]
+
+    def run(extra: list[str]) -> tuple[dict, str]:
+        assert main(args + extra) == 0
+        out, err = capsys.readouterr()
+        return json.loads(out.strip().splitlines()[-1]), err
+
+    rec, err = run([])  # the README command: --generation-config auto, --seed 0
+    assert "generation_config.json: default sampling" in err, err[-2000:]
+    assert (rec["temperature"], rec["top_p"], rec["top_k"]) == (
+        shipped["temperature"],
+        shipped["top_p"],
+        shipped.get("top_k", 0),
+    )
+    assert len(rec["tokens"]) == 200 and _repeated_8grams(rec["tokens"]) == 0, rec["text"]
+    greedy, _ = run(["--generation-config", "none"])
+    assert greedy["temperature"] == 0.0
+    assert _repeated_8grams(greedy["tokens"]) > 50, greedy["text"]  # the `self.name(self.name, ...` loop
