@@ -112,7 +112,10 @@ class Server:
 def start_server(log: Path, *extra: str, timeout_s: float = 300, env: dict | None = None) -> Server:
     cmd = [sys.executable, "-m", "hmoe_jax.cli", "serve", "--port", "0", "--quiet"]
     cmd += ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS)]
-    cmd += ["--max-in-flight", str(MAX_IN_FLIGHT), "--served-model-name", MODEL, *extra]
+    # Greedy by default, as `solo` (the reference) is: the shipped model's generation_config.json
+    # would make requests without a temperature sample (a later --generation-config in extra wins).
+    cmd += ["--max-in-flight", str(MAX_IN_FLIGHT), "--served-model-name", MODEL]
+    cmd += ["--generation-config", "none", *extra]
     f = open(log, "w")  # noqa: SIM115 (the server writes it for its whole life)
     # The shipped default (its BPE tokens carry several characters: a token can hold the
     # text before a stop string AND the stop string, which the SSE path must still send).
