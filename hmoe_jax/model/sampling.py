@@ -18,6 +18,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+MAX_LOGPROBS = 20  # top alternatives per position (vLLM's default max_logprobs; OpenAI allows 20)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """One position's log-probabilities: the model's log-softmax of its raw f32 logits, before
+    any sampling transform (penalties, logit_bias, temperature, top-k / top-p / min-p), which
+    is what vLLM reports by default. `top`: the k most likely tokens, most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -27,6 +40,33 @@ class SamplingParams:
     seed: int = 0
     max_new_tokens: int = 16
     stop_ids: tuple[int, ...] | None = None  # None: the model's eos ids
+    # Logit processors, applied before temperature in this order (vLLM's): min_tokens (stop
+    # ids masked until that many tokens exist), logit_bias (added), repetition_penalty (HF's:
+    # over prompt and output tokens, positive logits divided, negative multiplied),
+    # frequency / presence penalties (OpenAI's: over output tokens only). min_p filters after
+    # top-p: tokens below min_p x the top probability are dropped. All apply to greedy too.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    min_p: float = 0.0
+    min_tokens: int = 0
+    # Report log-probabilities (TokenLogprob): None = not at all; k = the chosen token's and
+    # the k most likely. prompt_logprobs: the same for every prompt token after the first.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+    @property
+    def processed(self) -> bool:
+        """True when some logit processor changes the logits (the plain greedy path is off)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_p
+            or self.min_tokens
+        )
 
     def validate(self) -> SamplingParams:
         if not (self.temperature >= 0 and np.isfinite(self.temperature)):
@@ -39,6 +79,29 @@ class SamplingParams:
             raise ValueError(f"sampling: max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not 0 <= self.seed < 2**32:
             raise ValueError(f"sampling: seed must be in [0, 2^32), got {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not -2 <= v <= 2:
+                raise ValueError(f"sampling: {name} must be in [-2, 2], got {v}")
+        if not (self.repetition_penalty > 0 and np.isfinite(self.repetition_penalty)):
+            raise ValueError(
+                f"sampling: repetition_penalty must be a finite number > 0, got {self.repetition_penalty}"
+            )
+        for tok, bias in self.logit_bias:
+            if tok < 0 or not -100 <= bias <= 100:
+                raise ValueError(
+                    f"sampling: logit_bias {tok}: {bias} needs a token id >= 0 and a bias in [-100, 100]"
+                )
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"sampling: min_p must be in [0, 1], got {self.min_p}")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"sampling: min_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_tokens}"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v <= MAX_LOGPROBS:
+                raise ValueError(f"sampling: {name} must be in [0, {MAX_LOGPROBS}], got {v}")
         return self
 
 

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from hmoe_jax.model.generate import check_prompt
-from hmoe_jax.model.sampling import SamplingParams
+from hmoe_jax.model.sampling import SamplingParams, TokenLogprob
 from hmoe_jax.policies.core import check_fits
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
@@ -48,6 +48,11 @@ class Request:
     first_token_s: float | None = None
     token_s: list[float] = dataclasses.field(default_factory=list)  # when each token was produced
     tokens: list[int] = dataclasses.field(default_factory=list)
+    # with params.logprobs set: one entry per token in `tokens`, written before the token is
+    # emitted; with params.prompt_logprobs set: one per prompt token (the first is None),
+    # written before the first token is emitted
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     finish_reason: str | None = None
     error: str | None = None
     schedule: str = ""  # the prefill path that ran it (cpu chunked / slp / dslp / ...)
@@ -114,13 +119,15 @@ class RequestHandle:
         for fn in listeners:
             fn()
 
-    def emit(self, token: int, t_s: float) -> None:
+    def emit(self, token: int, t_s: float, logprob: TokenLogprob | None = None) -> None:
         r = self.request
         with self._cv:
             if r.done:
                 return
             if r.first_token_s is None:
                 r.first_token_s = t_s
+            if logprob is not None:
+                r.logprobs.append(logprob)
             r.tokens.append(int(token))
             r.token_s.append(t_s)
         self._notify()
