@@ -127,12 +127,13 @@ def test_a_body_at_the_cap_passes_one_byte_over_is_413():
     assert str(len(data) - 1) in err["message"] and r.headers["connection"] == "close"
 
 
-def drive(app, headers: list[tuple[bytes, bytes]], chunks) -> tuple[int, int]:
-    """One POST /v1/completions through the ASGI app by hand: (status, receive() calls)."""
+def drive(app, headers: list[tuple[bytes, bytes]], chunks, receive=None) -> tuple[int | None, int]:
+    """One POST /v1/completions through the ASGI app by hand: (status, receive() calls);
+    status None when nothing was sent. `receive`: an async function replacing the chunks."""
     calls = 0
     sent: list[dict] = []
 
-    async def receive():
+    async def chunked():
         nonlocal calls
         calls += 1
         chunk = next(chunks, None)
@@ -157,8 +158,8 @@ def drive(app, headers: list[tuple[bytes, bytes]], chunks) -> tuple[int, int]:
         "client": ("127.0.0.1", 1),
         "server": ("127.0.0.1", 80),
     }
-    asyncio.run(app(scope, receive, send))
-    return sent[0]["status"], calls
+    asyncio.run(app(scope, receive or chunked, send))
+    return (sent[0]["status"] if sent else None), calls
 
 
 def test_413_on_content_length_reads_no_body_byte():
@@ -174,6 +175,61 @@ def test_413_on_a_chunked_body_stops_reading_at_the_cap():
     status, calls = drive(app, [], iter([b" " * chunk] * 800))  # 50 MiB, no Content-Length
     assert status == 413
     assert calls == cap // chunk + 1  # the first chunk past the cap, no further
+
+
+def test_a_body_not_complete_within_the_upload_timeout_is_408():
+    """A client that sends part of its body and then stalls (or trickles) holds a connection
+    and a slot: the whole body must arrive within upload_timeout_s of the head."""
+    app, state = make_app(upload_timeout_s=0.3)
+    parts = iter([{"type": "http.request", "body": b'{"model": ', "more_body": True}])
+
+    async def stall():
+        msg = next(parts, None)
+        if msg is None:
+            await asyncio.sleep(3600)  # never sends the rest
+        return msg
+
+    status, _ = drive(app, [], None, receive=stall)
+    assert status == 408
+    assert 'status="408"' in state.metrics.render()[0].decode()
+
+
+def test_a_client_hanging_up_mid_upload_is_a_quiet_cancel(caplog):
+    """No response, no ERROR log and no traceback (it was a 61-line internal error), one
+    INFO line naming the client, and the request counted as 499."""
+    app, state = make_app()
+    msgs = iter(
+        [
+            {"type": "http.request", "body": b'{"model": "stub", "pro', "more_body": True},
+            {"type": "http.disconnect"},
+        ]
+    )
+
+    async def hang_up():
+        return next(msgs)
+
+    with caplog.at_level("INFO"):
+        status, _ = drive(app, [], None, receive=hang_up)
+    assert status is None
+    assert not [r for r in caplog.records if r.levelno >= 30 or r.exc_info], caplog.text
+    assert any(
+        "hung up during its upload" in r.getMessage() and "127.0.0.1:1" in r.getMessage()
+        for r in caplog.records
+    )
+    assert 'status="499"' in state.metrics.render()[0].decode()
+
+
+def test_upload_timeout_flag_reaches_the_guard_and_is_checked():
+    import argparse
+
+    from hmoe_jax.io.errors import InputError
+    from hmoe_jax.serve.http_server import guard_options
+
+    ns = argparse.Namespace(host="127.0.0.1", upload_timeout_s=5.0)
+    assert guard_options(ns)["upload_timeout_s"] == 5.0
+    assert guard_options(argparse.Namespace(host="127.0.0.1"))["upload_timeout_s"] == 60.0
+    with pytest.raises(InputError, match="--upload-timeout-s"):
+        guard_options(argparse.Namespace(host="127.0.0.1", upload_timeout_s=0.0))
 
 
 def test_413_on_a_real_socket_comes_before_the_body_is_sent():

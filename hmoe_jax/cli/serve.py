@@ -4,7 +4,7 @@
   hmoe serve [--checkpoint DIR] [--host 127.0.0.1] [--port 8000] [--policy NAME]
              [--policy-option KEY=VALUE ...] [--served-model-name NAME] [--max-model-len N]
              [--max-num-seqs N] [--max-in-flight N] [--devices N] [--precision bf16|f32] [--pd]
-             [--api-key KEY] [--max-request-bytes N] [--allowed-hosts H,...] [--allowed-origins O,...]
+             [--api-key KEY] [--max-request-bytes N] [--upload-timeout-s S] [--allowed-hosts H,...] [--allowed-origins O,...]
              [--generation-config auto|none|DIR]
   hmoe bench serve --url URL (--scenario NAME | --dataset FILE) [--endpoint completions|chat]
              [--request-rate R] [--burstiness G] [--max-concurrency C]
@@ -58,6 +58,12 @@ def add_serve_parsers(sub: Any) -> None:
         type=int,
         default=None,
         help="largest request body; past it 413 before the body is read (default 4 MiB)",
+    )
+    s.add_argument(
+        "--upload-timeout-s",
+        type=float,
+        default=None,
+        help="a request body must arrive whole within this many seconds, else 408 (default 60)",
     )
     s.add_argument(
         "--allowed-hosts",

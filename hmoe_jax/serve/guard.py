@@ -12,6 +12,11 @@ In order, for each HTTP request:
   4. Size (413): a Content-Length over `max_request_bytes` is refused before one body byte
      is read; a chunked body is read only until its running total passes the cap. The 413
      closes the connection, so the rest of the body is never read either.
+  5. Upload time (408): the whole body must arrive within `upload_timeout_s` of the
+     request's head (a total, not per chunk: a client trickling one byte at a time would
+     reset a per-chunk timer forever and hold the slot). A client that hangs up mid-upload
+     is a quiet cancel: nothing is sent, one INFO line, no traceback (it is not an error
+     of the server's).
 
 The body a request passes with is handed to the app whole (at most the cap: the routes read
 it whole anyway); later receive() calls go to the server, so a disconnect is still seen.
@@ -19,8 +24,11 @@ it whole anyway); later receive() calls go to the server, so a disconnect is sti
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hmac
+import logging
+import time
 from typing import Any
 
 from starlette.responses import JSONResponse
@@ -29,6 +37,10 @@ from hmoe_jax.serve.openai_protocol import ApiError
 
 MIB = 1 << 20
 DEFAULT_MAX_REQUEST_BYTES = 4 * MIB
+# 4 MiB at a slow 1 Mbit/s uplink takes ~34 s; a body still incomplete after 60 s is a
+# stuck or hostile client holding a connection and a slot
+DEFAULT_UPLOAD_TIMEOUT_S = 60.0
+log = logging.getLogger("hmoe.serve")
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers carry no key
 _BODY_METHODS = ("POST", "PUT", "PATCH")
@@ -39,12 +51,15 @@ class GuardPolicy:
     api_key: str | None = dataclasses.field(default=None, repr=False)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     allowed_hosts: tuple[str, ...] | None = None  # None: any Host (the server's address unknown)
+    upload_timeout_s: float = DEFAULT_UPLOAD_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key:
             raise ValueError("the API key must not be empty")
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
+        if not self.upload_timeout_s > 0:
+            raise ValueError(f"upload_timeout_s must be > 0, got {self.upload_timeout_s}")
 
 
 def is_loopback(host: str) -> bool:
@@ -156,6 +171,26 @@ def _too_large(cap: int, size: str) -> ApiError:
     )
 
 
+class _Disconnected(Exception):
+    """The client hung up before its body was complete."""
+
+
+def _upload_timeout(limit_s: float, got_bytes: int) -> ApiError:
+    return ApiError(
+        408,
+        f"the request body did not arrive within {limit_s:g} s ({got_bytes} bytes received); "
+        "the limit is `hmoe serve --upload-timeout-s`",
+        type="invalid_request_error",
+        code="request_timeout",
+        headers={"Connection": "close"},  # the rest of the body, if it ever comes, is not a request
+    )
+
+
+def _client(scope: dict) -> str:
+    c = scope.get("client")
+    return f"{c[0]}:{c[1]}" if c else "?"
+
+
 class RequestGuard:
     """ASGI middleware applying a GuardPolicy (module docstring). on_reject(status) is told
     of each refusal (the server's rejected-requests counter)."""
@@ -182,15 +217,27 @@ class RequestGuard:
         if err is None and has_body:
             err = _check_content_type(scope)
         if err is None and has_body:
-            err, receive = await self._read_body(scope, receive)
+            try:
+                err, receive = await self._read_body(scope, receive)
+            except _Disconnected as e:
+                log.info(
+                    "client %s hung up during its upload of %s (%s): request dropped",
+                    _client(scope),
+                    scope.get("path", ""),
+                    e,
+                )
+                if self.on_reject is not None:
+                    self.on_reject(499)
+                return  # nobody to answer
         if err is not None:
             await self._refuse(err, scope, receive, send)
             return
         await self.app(scope, receive, send)
 
     async def _read_body(self, scope: dict, receive: Any) -> tuple[ApiError | None, Any]:
-        """(None, a receive that replays the body read) or (the 413 / 400, receive)."""
-        cap = self.policy.max_request_bytes
+        """(None, a receive that replays the body read) or (the 413 / 408 / 400, receive);
+        _Disconnected when the client hangs up first."""
+        cap, limit_s = self.policy.max_request_bytes, self.policy.upload_timeout_s
         length = _header(scope, b"content-length")
         if length is not None:
             if not length.strip().isdigit():
@@ -199,9 +246,15 @@ class RequestGuard:
                 return _too_large(cap, f"{int(length)} bytes (Content-Length)"), receive
         chunks: list[bytes] = []
         total = 0
+        deadline = time.monotonic() + limit_s
         while True:
-            msg = await receive()
-            if msg["type"] != "http.request":  # the client went away: let the app see it
+            try:
+                msg = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                return _upload_timeout(limit_s, total), receive
+            if msg["type"] == "http.disconnect":
+                raise _Disconnected(f"after {total} bytes")
+            if msg["type"] != "http.request":
                 break
             chunks.append(msg.get("body", b""))
             total += len(chunks[-1])
@@ -221,6 +274,7 @@ class RequestGuard:
 
 __all__ = [
     "DEFAULT_MAX_REQUEST_BYTES",
+    "DEFAULT_UPLOAD_TIMEOUT_S",
     "GuardPolicy",
     "RequestGuard",
     "default_allowed_hosts",

@@ -30,7 +30,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hmoe_jax.io.generation_config import NO_DEFAULTS, GenerationDefaults
 from hmoe_jax.serve import openai_protocol as P
-from hmoe_jax.serve.guard import DEFAULT_MAX_REQUEST_BYTES, GuardPolicy, RequestGuard
+from hmoe_jax.serve.guard import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_UPLOAD_TIMEOUT_S,
+    GuardPolicy,
+    RequestGuard,
+)
 from hmoe_jax.serve.metrics import ServerMetrics
 from hmoe_jax.serve.request import Backend, RequestError, RequestHandle
 from hmoe_jax.serve.servetrace import HTTP
@@ -47,6 +52,7 @@ class ServeOptions:
     # the request guard (serve/guard.py): None here means no key / any Host / no CORS
     api_key: str | None = dataclasses.field(default=None, repr=False)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    upload_timeout_s: float = DEFAULT_UPLOAD_TIMEOUT_S  # the whole body, from the request's head
     allowed_hosts: tuple[str, ...] | None = None  # `hmoe serve` sets it from the bound address
     allowed_origins: tuple[str, ...] = ()  # CORS origins; empty: no Access-Control-* headers
     generation: GenerationDefaults = NO_DEFAULTS  # generation_config.json's sampling defaults
@@ -214,7 +220,7 @@ def create_app(state: ServerState) -> FastAPI:
     # add_middleware: the last added runs first. Arrival stamp, then CORS (a preflight is
     # answered and a refusal still carries the CORS headers a browser needs to read it),
     # then the guard, before any route reads the body.
-    guard = GuardPolicy(opt.api_key, opt.max_request_bytes, opt.allowed_hosts)
+    guard = GuardPolicy(opt.api_key, opt.max_request_bytes, opt.allowed_hosts, opt.upload_timeout_s)
     app.add_middleware(RequestGuard, policy=guard, on_reject=state.metrics.reject)
     if opt.allowed_origins:
         app.add_middleware(

@@ -128,10 +128,15 @@ def _pd_devices(devices: int | None) -> int:
 
 def guard_options(args: argparse.Namespace) -> dict[str, Any]:
     """The ServeOptions of the request guard (serve/guard.py) from --api-key (or $HMOE_API_KEY),
-    --max-request-bytes, --allowed-hosts (default: the names of the bound --host) and
+    --max-request-bytes, --upload-timeout-s, --allowed-hosts (default: the names of the bound --host) and
     --allowed-origins; a bad value is an InputError naming its flag."""
     from hmoe_jax.io.errors import InputError
-    from hmoe_jax.serve.guard import DEFAULT_MAX_REQUEST_BYTES, default_allowed_hosts, parse_allowed_hosts
+    from hmoe_jax.serve.guard import (
+        DEFAULT_MAX_REQUEST_BYTES,
+        DEFAULT_UPLOAD_TIMEOUT_S,
+        default_allowed_hosts,
+        parse_allowed_hosts,
+    )
 
     key = getattr(args, "api_key", None)
     if key is None:
@@ -142,13 +147,23 @@ def guard_options(args: argparse.Namespace) -> dict[str, Any]:
     size = DEFAULT_MAX_REQUEST_BYTES if size is None else size
     if size < 1:
         raise InputError(f"--max-request-bytes must be >= 1, got {size}")
+    upload_s = getattr(args, "upload_timeout_s", None)
+    upload_s = DEFAULT_UPLOAD_TIMEOUT_S if upload_s is None else upload_s
+    if not upload_s > 0:
+        raise InputError(f"--upload-timeout-s must be > 0, got {upload_s}")
     hosts_arg = getattr(args, "allowed_hosts", None)
     try:
         hosts = parse_allowed_hosts(hosts_arg) if hosts_arg is not None else default_allowed_hosts(args.host)
     except ValueError as e:
         raise InputError(str(e)) from None
     origins = tuple(o.strip() for o in (getattr(args, "allowed_origins", None) or "").split(",") if o.strip())
-    return dict(api_key=key, max_request_bytes=size, allowed_hosts=hosts, allowed_origins=origins)
+    return dict(
+        api_key=key,
+        max_request_bytes=size,
+        upload_timeout_s=float(upload_s),
+        allowed_hosts=hosts,
+        allowed_origins=origins,
+    )
 
 
 def build_state(args: argparse.Namespace, run: Any) -> tuple[ServerState, Callable[[], None]]:
