@@ -37,6 +37,7 @@ from hmoe_jax.serve.guard import (
     RequestGuard,
 )
 from hmoe_jax.serve.metrics import ServerMetrics
+from hmoe_jax.serve.openai_logprobs import LogprobFormatter
 from hmoe_jax.serve.request import Backend, RequestError, RequestHandle
 from hmoe_jax.serve.servetrace import HTTP
 
@@ -56,6 +57,24 @@ class ServeOptions:
     allowed_hosts: tuple[str, ...] | None = None  # `hmoe serve` sets it from the bound address
     allowed_origins: tuple[str, ...] = ()  # CORS origins; empty: no Access-Control-* headers
     generation: GenerationDefaults = NO_DEFAULTS  # generation_config.json's sampling defaults
+    eos_ids: tuple[int, ...] = ()  # the model's eos ids: stop_token_ids are added to them
+
+
+@dataclasses.dataclass
+class _Choice:
+    """One choice of a response: its request, text and what the HTTP layer has sent of it."""
+
+    index: int
+    handle: RequestHandle
+    text: P.TextStream
+    prompt_ids: list[int]
+    echo: str | None  # completions `echo`: the prompt text put before the choice's text
+    recv_s: list[float] = dataclasses.field(default_factory=list)  # when each token was received
+    pending: list[int] = dataclasses.field(default_factory=list)  # token ids not yet sent
+    sent: int = 0  # tokens already sent (streaming)
+    text_offset: int = 0  # characters already sent (completions logprobs' text_offset)
+    first: bool = True
+    reason: str | None = None  # finish reason, once known
 
 
 @dataclasses.dataclass
@@ -84,6 +103,7 @@ class ServerState:
         self.trace = trace  # a TraceRecorder: each streamed token's wait / detok / send (servetrace.py)
         self.healthy, self.kv_usage, self.iterations = healthy, kv_usage, iterations
         self.metrics = ServerMetrics(options.model_name)
+        self.logprobs = LogprobFormatter(tokenizer.decode)
         self.live: dict[int, _Live] = {}
         self.draining = False
         self._retiring: set[asyncio.Task] = set()
@@ -110,6 +130,20 @@ class ServerState:
             raise P.ApiError(503, str(e), type="service_unavailable") from None
         self.live[h.id] = _Live(h, arrival_s)
         return h
+
+    def admit_all(self, jobs: list[tuple[list[int], Any]], arrival_s: float) -> list[RequestHandle]:
+        """Admit every (prompt ids, params) of one HTTP request, or none: when one is refused,
+        those already admitted are cancelled and the refusal is raised."""
+        handles: list[RequestHandle] = []
+        try:
+            for ids, params in jobs:
+                handles.append(self.admit(ids, params, arrival_s))
+        except P.ApiError:
+            for h in handles:
+                self.cancel(h)
+                self.retire(h, [], "abort")
+            raise
+        return handles
 
     def cancel(self, h: RequestHandle) -> None:
         """Cancel a request nobody reads any more (client gone, stop string seen); the
@@ -184,6 +218,16 @@ def _trace_token(tr: Any, h: RequestHandle, i: int, recv_ns: int, yield_ns: int,
     tr.add(HTTP, "detok", recv_ns, yield_ns, request=h.id, token=i)
     if sent_ns is not None:
         tr.add(HTTP, "send", yield_ns, sent_ns, request=h.id, token=i)
+
+
+_END, _ERROR = object(), object()  # stream events beside token ids: a choice ended / failed
+
+
+def _completion_prompts(prompt: Any) -> list[str | list[int]]:
+    """A completions `prompt` (a string, token ids, or a list of either) as a list of prompts."""
+    if isinstance(prompt, str) or not isinstance(prompt[0], (str, list)):
+        return [prompt]
+    return list(prompt)
 
 
 def _error_response(e: P.ApiError) -> JSONResponse:
@@ -266,9 +310,8 @@ def create_app(state: ServerState) -> FastAPI:
             return Response(status_code=200)
         return _error_response(P.ApiError(503, "a backend worker is not live", type="service_unavailable"))
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        card = {
+    def card() -> dict[str, Any]:
+        return {
             "id": opt.model_name,
             "object": "model",
             "created": int(time.time()),
@@ -277,7 +320,15 @@ def create_app(state: ServerState) -> FastAPI:
             "parent": None,
             "max_model_len": opt.max_model_len,
         }
-        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        check_model(model_id)
+        return card()
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -312,134 +363,227 @@ def create_app(state: ServerState) -> FastAPI:
         arrival = _arrival(request)
         req = P.parse_body(P.CompletionRequest, await request.body())
         check_model(req.model)
-        if isinstance(req.prompt, str):
-            ids = state.tokenizer.encode(req.prompt)
-        else:
-            ids = P.check_token_ids(req.prompt, opt.vocab_size, "prompt")
-        return await _generate(request, req, ids, arrival, chat=False)
+        prompts = _completion_prompts(req.prompt)
+        jobs = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                jobs.append((state.tokenizer.encode(p), p))
+            else:
+                param = (
+                    "prompt" if len(prompts) == 1 and not isinstance(req.prompt[0], list) else f"prompt.{i}"
+                )
+                ids = P.check_token_ids(p, opt.vocab_size, param)
+                jobs.append((ids, None))
+        return await _generate(request, req, jobs, arrival, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         arrival = _arrival(request)
         req = P.parse_body(P.ChatCompletionRequest, await request.body())
         check_model(req.model)
-        ids = state.chat.encode(req.messages)
-        return await _generate(request, req, ids, arrival, chat=True)
+        return await _generate(request, req, [(state.chat.encode(req.messages), None)], arrival, chat=True)
 
     async def _generate(
-        request: Request, req: Any, ids: list[int], arrival: float, *, chat: bool
+        request: Request, req: Any, prompts: list[tuple[list[int], str | None]], arrival: float, *, chat: bool
     ) -> Response:
-        if not ids:
-            raise P.ApiError(400, "the prompt encodes to no tokens", param="messages" if chat else "prompt")
+        """Validate every choice's parameters, admit all choices (or none), answer."""
         gen = opt.generation
-        n_new = P.max_new_tokens(
-            req, len(ids), opt.max_model_len, chat=chat, default_max_tokens=gen.max_new_tokens
-        )
-        try:
-            params = P.sampling_params(req, n_new, gen)
-        except ValueError as e:
-            raise P.ApiError(400, str(e)) from None
-        h = state.admit(ids, params, arrival)
+        where = "messages" if chat else "prompt"
+        if len(prompts) * req.n > opt.max_in_flight:
+            raise P.ApiError(
+                400,
+                f"{len(prompts)} prompt(s) x n={req.n} choices exceed this server's "
+                f"{opt.max_in_flight} requests in flight",
+                param="n",
+            )
+        jobs, meta = [], []
+        for ids, prompt_text in prompts:
+            if not ids:
+                raise P.ApiError(400, "the prompt encodes to no tokens", param=where)
+            n_new = P.max_new_tokens(
+                req, len(ids), opt.max_model_len, chat=chat, default_max_tokens=gen.max_new_tokens
+            )
+            base = P.sampling_params(req, n_new, gen, vocab_size=opt.vocab_size, eos_ids=opt.eos_ids)
+            for seed in P.sample_seeds(req, base.temperature, req.n):
+                jobs.append((ids, dataclasses.replace(base, seed=seed)))
+                meta.append((ids, prompt_text))
+        handles = state.admit_all(jobs, arrival)
+        echo = getattr(req, "echo", False)
+        stops = P.stop_strings(req)
+        choices = [
+            _Choice(
+                i,
+                h,
+                P.TextStream(state.tokenizer.decode, stops),
+                ids,
+                (text if text is not None else state.tokenizer.decode(ids)) if echo else None,
+            )
+            for i, (h, (ids, text)) in enumerate(zip(handles, meta))
+        ]
         out = P.ResponseBuilder(
-            opt.model_name, chat=chat, prompt_ids=ids, return_token_ids=req.return_token_ids
+            opt.model_name,
+            chat=chat,
+            prompts=[ids for ids, _ in prompts],
+            n=req.n,
+            return_token_ids=req.return_token_ids,
         )
-        text = P.TextStream(state.tokenizer.decode, P.stop_strings(req))
         if req.stream:
             so = req.stream_options or P.StreamOptions()
-            return StreamingResponse(_stream(h, out, text, so, chat), media_type="text/event-stream")
-        return await _whole(request, h, out, text)
+            return StreamingResponse(_stream(choices, out, so, chat), media_type="text/event-stream")
+        return await _whole(request, choices, out)
 
-    async def _whole(
-        request: Request, h: RequestHandle, out: P.ResponseBuilder, text: P.TextStream
-    ) -> Response:
-        recv_s: list[float] = []
+    def _logprobs(c: _Choice, lo: int, hi: int, chat: bool) -> Any:
+        """The wire-format logprobs of c's tokens [lo, hi) (and, for the first piece of an
+        echoed completion, its prompt's first), or None when the request asked for none."""
+        r = c.handle.request
+        if r.params.logprobs is None:
+            return None
+        ids, entries = list(c.text.ids[lo:hi]), list(r.logprobs[lo:hi])
+        try:
+            if chat:
+                return {"content": state.logprobs.chat(ids, entries)}
+            if c.echo is not None and lo == 0:
+                prompt_lps = r.prompt_logprobs
+                if prompt_lps is None:
+                    raise ValueError("logprobs: the backend reported no prompt logprobs")
+                ids, entries = c.prompt_ids + ids, list(prompt_lps) + entries
+            obj, c.text_offset = state.logprobs.completion(ids, entries, c.text_offset)
+            return obj
+        except ValueError as e:
+            raise P.ApiError(500, str(e), type="internal_server_error") from None
 
-        async def consume() -> None:
-            async for tok in h.astream():
-                recv_s.append(time.perf_counter())
-                text.push(tok)
-                if text.stopped:
-                    state.cancel(h)
-                    return
-            text.finish()
+    async def _whole(request: Request, choices: list[_Choice], out: P.ResponseBuilder) -> Response:
+        async def consume(c: _Choice) -> None:
+            try:
+                async for tok in c.handle.astream():
+                    c.recv_s.append(time.perf_counter())
+                    c.text.push(tok)
+                    if c.text.stopped:
+                        state.cancel(c.handle)
+                        c.reason = "stop"
+                        return
+            except RequestError:
+                c.reason = "error"
+                raise
+            c.text.finish()
+            c.reason = c.handle.request.finish_reason or "abort"
 
-        task = asyncio.ensure_future(consume())
+        task = asyncio.gather(*(consume(c) for c in choices))
         watch = asyncio.ensure_future(_until_disconnected(request))
-        reason, err = "abort", None
+        err = None
         try:
             done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
             if task in done:
-                task.result()  # raises RequestError if the request failed
-                reason = "stop" if text.stopped else (h.request.finish_reason or "abort")
+                task.result()  # raises RequestError if a choice failed
         except RequestError as e:
-            err, reason = str(e), "error"
+            err = str(e)
         finally:
             for t in (task, watch):
                 t.cancel()
-            if not h.done:
-                state.cancel(h)
-            state.retire(h, recv_s, reason)
+            for c in choices:  # a failed choice, or a client gone: nobody reads the others
+                if not c.handle.done:
+                    state.cancel(c.handle)
+                state.retire(c.handle, c.recv_s, c.reason or "abort")
         if err is not None:
             raise P.ApiError(500, err, type="internal_server_error")
-        if reason == "abort":
+        if any(c.reason in (None, "abort") for c in choices):
             return Response(status_code=499)  # the client went away: nobody reads this
-        return JSONResponse(out.full(text.text, text.ids, reason))
+        body = [
+            out.choice(
+                c.index,
+                (c.echo or "") + c.text.text,
+                c.text.ids,
+                c.reason,
+                _logprobs(c, 0, len(c.text.ids), out.chat),
+            )
+            for c in choices
+        ]
+        return JSONResponse(out.full(body, sum(len(c.text.ids) for c in choices)))
 
     async def _stream(
-        h: RequestHandle, out: P.ResponseBuilder, text: P.TextStream, so: P.StreamOptions, chat: bool
+        choices: list[_Choice], out: P.ResponseBuilder, so: P.StreamOptions, chat: bool
     ) -> AsyncIterator[str]:
+        """Chunks of every choice as their tokens come (each chunk names its choice), a
+        finish chunk per choice, then the usage chunk if asked, then [DONE]."""
         usage_every = so.include_usage and so.continuous_usage_stats
-        pending: list[int] = []  # token ids not yet sent (their text may still be held back)
-        recv_s: list[float] = []
-        first, reason = True, None
-        stop_delta = ""  # text the stopping token carried before its stop string
+        events: asyncio.Queue = asyncio.Queue()
 
-        def chunk(delta: str, finish: str | None) -> str:
-            nonlocal first, pending
+        async def pump(c: _Choice) -> None:
+            try:
+                async for tok in c.handle.astream():
+                    events.put_nowait((c, tok, time.perf_counter_ns()))
+                events.put_nowait((c, _END, None))
+            except RequestError as e:
+                events.put_nowait((c, _ERROR, str(e)))
+
+        def chunk(c: _Choice, delta: str, finish: str | None) -> str:
+            hi = c.sent + len(c.pending)
+            lp = _logprobs(c, c.sent, hi, chat)
+            if c.first and c.echo is not None:
+                delta = c.echo + delta
+            done_tokens = sum(len(x.text.ids) for x in choices)
             body = out.chunk(
+                c.index,
                 delta,
-                pending,
+                c.pending,
                 finish,
-                role=chat and first,
-                usage_now=P.usage(len(out.prompt_ids), len(text.ids)) if usage_every else None,
+                role=chat and c.first,
+                logprobs=lp,
+                usage_now=out.usage(done_tokens) if usage_every else None,
                 with_usage=so.include_usage,
             )
-            first, pending = False, []
+            c.first, c.pending, c.sent = False, [], hi
             return P.sse(body)
 
         tr = state.trace
+        pumps = [asyncio.ensure_future(pump(c)) for c in choices]
         try:
             try:
-                async for tok in h.astream():
-                    recv_s.append(time.perf_counter())
-                    t_recv = time.perf_counter_ns()
-                    pending.append(tok)
-                    delta = text.push(tok)
-                    if text.stopped:
-                        state.cancel(h)
-                        stop_delta = delta
-                        break
-                    if delta:
-                        body = chunk(delta, None)
+                open_ = len(choices)
+                while open_:
+                    c, tok, info = await events.get()
+                    if tok is _ERROR:
+                        c.reason = "error"
+                        raise RequestError(info)
+                    if tok is _END:
+                        open_ -= 1
+                        if c.reason is None:  # not cut by a stop string: the rest of its text
+                            c.reason = c.handle.request.finish_reason or "abort"
+                            yield chunk(c, c.text.finish(), c.reason)
+                        continue
+                    if c.reason is not None:
+                        continue  # a token after the stop string: not part of the response
+                    c.recv_s.append(time.perf_counter())
+                    c.pending.append(tok)
+                    delta = c.text.push(tok)
+                    if c.text.stopped:
+                        state.cancel(c.handle)
+                        c.reason = "stop"
+                        yield chunk(c, delta, "stop")
+                    elif delta:
+                        body = chunk(c, delta, None)
                         t_yield = time.perf_counter_ns()
                         yield body
                         if tr is not None:
-                            _trace_token(tr, h, len(recv_s) - 1, t_recv, t_yield, time.perf_counter_ns())
+                            _trace_token(
+                                tr, c.handle, len(c.recv_s) - 1, info, t_yield, time.perf_counter_ns()
+                            )
                     elif tr is not None:
-                        _trace_token(tr, h, len(recv_s) - 1, t_recv, time.perf_counter_ns(), None)
-                tail = stop_delta if text.stopped else text.finish()
-                reason = "stop" if text.stopped else (h.request.finish_reason or "abort")
-                yield chunk(tail, reason)
+                        _trace_token(tr, c.handle, len(c.recv_s) - 1, info, time.perf_counter_ns(), None)
                 if so.include_usage:
-                    yield P.sse(out.usage_chunk(len(text.ids)))
+                    yield P.sse(out.usage_chunk(sum(len(c.text.ids) for c in choices)))
             except RequestError as e:
-                reason = "error"
                 yield P.sse(P.ApiError(500, str(e), type="internal_server_error").body())
+            except P.ApiError as e:  # a backend that broke the logprobs contract
+                yield P.sse(e.body())
             yield P.SSE_DONE
         finally:  # also on a client disconnect (Starlette cancels this generator)
-            if not h.done:
-                state.cancel(h)
-            state.retire(h, recv_s, reason or "abort")
+            for p in pumps:
+                p.cancel()
+            for c in choices:
+                if not c.handle.done:
+                    state.cancel(c.handle)
+                state.retire(c.handle, c.recv_s, c.reason or "abort")
 
     return app
 

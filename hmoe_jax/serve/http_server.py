@@ -237,6 +237,7 @@ def build_state(args: argparse.Namespace, run: Any) -> tuple[ServerState, Callab
         max_in_flight=args.max_in_flight or 8 * args.max_num_seqs,
         **guard,
         generation=run.generation,
+        eos_ids=run.cfg.eos_ids,
     )
     chat = ChatTemplate(run.checkpoint, run.tokenizer.encode)
     return ServerState(backend, run.tokenizer, chat, opts, trace=trace, **probes), close

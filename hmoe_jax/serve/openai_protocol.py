@@ -4,8 +4,10 @@ object, response and stream-chunk bodies, the chat template, and incremental det
 with stop strings. Plain data and text: no jax, no HTTP framework.
 
 Field semantics follow the OpenAI API and vLLM's extensions where OpenAI has none
-(`top_k`, `ignore_eos`, `return_token_ids`, `stream_options.continuous_usage_stats`,
-`/tokenize`). Defaults as OpenAI documents them: temperature 1, top_p 1; max_tokens 16 for
+(`top_k`, `min_p`, `min_tokens`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`,
+`return_token_ids`, `stream_options.continuous_usage_stats`, `/tokenize`). Unknown top-level
+fields are accepted and logged at WARNING, as vLLM does ("fields present in the request but
+ignored"); nested objects stay strict. Defaults as OpenAI documents them: temperature 1, top_p 1; max_tokens 16 for
 completions, the rest of the context for chat (vLLM's choice). A checkpoint's
 generation_config.json (`hmoe serve --generation-config auto`, io/generation_config.py)
 replaces these defaults as vLLM does: its temperature / top_p / top_k, and its
@@ -15,6 +17,8 @@ max_new_tokens as max_tokens (cut to the rest of the context); a request field g
 from __future__ import annotations
 
 import json
+import logging
+import re
 import secrets
 import time
 import uuid
@@ -25,8 +29,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hmoe_jax.io.generation_config import NO_DEFAULTS, GenerationDefaults
-from hmoe_jax.model.sampling import SamplingParams
+from hmoe_jax.model.sampling import MAX_LOGPROBS, SamplingParams
 
+log = logging.getLogger(__name__)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
 MAX_STOP_STRINGS = 4  # OpenAI: "up to 4 sequences"
 
@@ -60,36 +65,51 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
+class _Body(_Strict):
+    # A request body: unknown top-level fields are kept aside (model_extra), logged and
+    # ignored, so clients written for vLLM / OpenAI that send extra fields still work.
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Any = None
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: usage on every chunk
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(_Body):
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)  # vLLM: -1 or 0 = off
+    min_p: float | None = Field(None, ge=0, le=1)  # vLLM
     seed: int | None = Field(None, ge=0, lt=2**32)
     stop: str | list[str] | None = None
-    n: int = 1
+    stop_token_ids: list[int] | None = None  # vLLM: stop ids besides the eos ids
+    n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)  # vLLM: eos / stop ids masked until this many tokens
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)  # vLLM (HF's)
+    logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias
+    response_format: ResponseFormat | None = None
     return_token_ids: bool = False  # vLLM: token ids beside the text (prompt_token_ids, token_ids)
     user: str | None = None
-    # Known to the OpenAI API but not implemented: accepted only at their neutral value.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
-    best_of: int | None = None
-    logprobs: int | None = None
+    best_of: int | None = Field(None, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
 
 
@@ -115,36 +135,28 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: Any = None
     parallel_tool_calls: bool | None = None
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]
 
 
 _UNSUPPORTED = {  # field -> its neutral value; anything else is a 400 naming the field
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "logit_bias": (None, {}),
-    "echo": False,
-    "logprobs": (None, False),
-    "top_logprobs": None,
     "suffix": None,
-    "tools": None,
-    "tool_choice": None,
-    "response_format": None,
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
     "parallel_tool_calls": None,
 }
 
@@ -175,10 +187,18 @@ def parse_body(model: type[BaseModel], body: bytes) -> Any:
             v = getattr(req, name)
             if v not in (neutral if isinstance(neutral, tuple) else (neutral,)):
                 raise ApiError(400, f"{name}={v!r} is not supported by this server", param=name)
-    if getattr(req, "n", 1) != 1:
-        raise ApiError(400, f"n={req.n} is not supported: only n=1", param="n")
-    if getattr(req, "best_of", None) not in (None, 1):
-        raise ApiError(400, f"best_of={req.best_of} is not supported: only 1", param="best_of")
+    best_of = getattr(req, "best_of", None)
+    if best_of is not None and best_of != req.n:
+        raise ApiError(
+            400, f"best_of={best_of} is not supported: only best_of == n ({req.n})", param="best_of"
+        )
+    fmt = getattr(req, "response_format", None)
+    if fmt is not None and fmt.type != "text":
+        raise ApiError(
+            400, f"response_format type {fmt.type!r} is not supported: only 'text'", param="response_format"
+        )
+    if isinstance(req, ChatCompletionRequest) and req.top_logprobs is not None and not req.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     if getattr(req, "stream_options", None) is not None and not req.stream:
         raise ApiError(400, "stream_options is only allowed with stream=true", param="stream_options")
     stop = getattr(req, "stop", None)
@@ -186,8 +206,15 @@ def parse_body(model: type[BaseModel], body: bytes) -> Any:
         raise ApiError(400, f"stop: at most {MAX_STOP_STRINGS} non-empty strings", param="stop")
     if stop == "":
         raise ApiError(400, "stop: must not be empty", param="stop")
-    if isinstance(getattr(req, "prompt", None), list) and not req.prompt:
+    prompt = getattr(req, "prompt", None)
+    if isinstance(prompt, list) and not prompt:
         raise ApiError(400, "prompt: must not be empty", param="prompt")
+    if isinstance(prompt, list) and isinstance(prompt[0], list):
+        for i, p in enumerate(prompt):
+            if not p:
+                raise ApiError(400, f"prompt.{i}: must not be empty", param=f"prompt.{i}")
+    if req.model_extra:
+        log.warning("fields present in the request but ignored: %s", ", ".join(sorted(req.model_extra)))
     return req
 
 
@@ -207,19 +234,79 @@ def _pick(given: Any, default: Any, builtin: Any) -> Any:
 
 
 def sampling_params(
-    req: _SamplingFields, max_new_tokens: int, defaults: GenerationDefaults = NO_DEFAULTS
+    req: _SamplingFields,
+    max_new_tokens: int,
+    defaults: GenerationDefaults = NO_DEFAULTS,
+    *,
+    vocab_size: int,
+    eos_ids: Sequence[int] = (),
 ) -> SamplingParams:
-    """A request field that is given wins; else generation_config.json's default; else OpenAI's."""
+    """One sample's parameters (seed: see sample_seeds). A request field that is given wins;
+    else generation_config.json's default; else OpenAI's. stop_token_ids are added to the
+    model's eos ids (vLLM), which ignore_eos drops."""
     temperature = float(_pick(req.temperature, defaults.temperature, 1.0))
-    seed = req.seed if req.seed is not None else (secrets.randbelow(2**32) if temperature > 0 else 0)
-    return SamplingParams(
+    stop_ids: tuple[int, ...] | None = None  # the engine's default: the model's eos ids
+    if req.stop_token_ids is not None or req.ignore_eos:
+        extra = check_token_ids(req.stop_token_ids or [], vocab_size, "stop_token_ids")
+        stop_ids = tuple(dict.fromkeys([*(() if req.ignore_eos else eos_ids), *extra]))
+    if isinstance(req, CompletionRequest):
+        logprobs = req.logprobs
+        prompt_logprobs = req.logprobs if req.echo else None
+    else:
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        prompt_logprobs = None
+    params = SamplingParams(
         temperature=temperature,
         top_p=float(_pick(req.top_p, defaults.top_p, 1.0)),
         top_k=max(0, _pick(req.top_k, defaults.top_k, 0)),
-        seed=int(seed),
+        seed=0,
         max_new_tokens=int(max_new_tokens),
-        stop_ids=() if req.ignore_eos else None,
-    ).validate()
+        stop_ids=stop_ids,
+        presence_penalty=float(req.presence_penalty),
+        frequency_penalty=float(req.frequency_penalty),
+        repetition_penalty=float(_pick(req.repetition_penalty, None, 1.0)),
+        logit_bias=parse_logit_bias(req.logit_bias, vocab_size),
+        min_p=float(_pick(req.min_p, None, 0.0)),
+        min_tokens=int(req.min_tokens),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+    )
+    try:
+        return params.validate()
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+
+
+def sample_seeds(req: _SamplingFields, temperature: float, count: int) -> list[int]:
+    """The seed of each of a prompt's `count` samples: sample j of a seeded request uses
+    (seed + j) mod 2^32, so sample 0 draws what the same request with n=1 draws; without a
+    seed each sample gets its own random seed (0 when greedy: the seed is not used)."""
+    if req.seed is not None:
+        return [(req.seed + j) % 2**32 for j in range(count)]
+    return [secrets.randbelow(2**32) if temperature > 0 else 0 for _ in range(count)]
+
+
+_TOKEN_ID = re.compile(r"-?[0-9]+")
+
+
+def parse_logit_bias(raw: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} (JSON keys are strings) -> ((id, bias), ...) sorted by id;
+    a key that is not a decimal id, an id outside the vocabulary or a bias outside
+    [-100, 100] is a 400 naming the key."""
+    out = []
+    for key, bias in (raw or {}).items():
+        param = f"logit_bias.{key}"
+        if not _TOKEN_ID.fullmatch(key):
+            raise ApiError(400, f"logit_bias: key {key!r} is not a token id", param=param)
+        tok = int(key)
+        if not 0 <= tok < vocab_size:
+            raise ApiError(
+                400, f"logit_bias: key {key!r}: token id out of range [0, {vocab_size})", param=param
+            )
+        if not -100 <= bias <= 100:
+            raise ApiError(400, f"logit_bias: key {key!r}: bias {bias} outside [-100, 100]", param=param)
+        out.append((tok, float(bias)))
+    return tuple(sorted(out))
 
 
 def max_new_tokens(
@@ -399,10 +486,16 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 class ResponseBuilder:
-    """Bodies of one request's response: the whole one, or its stream chunks."""
+    """Bodies of one request's response, whole or as stream chunks. Its choices are
+    prompts x n: choice i answers prompt i // n (vLLM's order). Usage counts each prompt's
+    tokens once and every choice's completion tokens."""
 
-    def __init__(self, model: str, *, chat: bool, prompt_ids: list[int], return_token_ids: bool):
-        self.model, self.chat, self.prompt_ids = model, chat, prompt_ids
+    def __init__(
+        self, model: str, *, chat: bool, prompts: Sequence[Sequence[int]], n: int = 1, return_token_ids: bool
+    ):
+        self.model, self.chat, self.n = model, chat, n
+        self.prompts = [list(p) for p in prompts]
+        self.prompt_tokens = sum(len(p) for p in self.prompts)
         self.return_token_ids = return_token_ids
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
@@ -411,33 +504,44 @@ class ResponseBuilder:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def full(self, text: str, token_ids: list[int], finish_reason: str) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+    def usage(self, completion_tokens: int) -> dict[str, int]:
+        return usage(self.prompt_tokens, completion_tokens)
+
+    def choice(
+        self, index: int, text: str, token_ids: list[int], finish_reason: str, logprobs: Any = None
+    ) -> dict[str, Any]:
+        """One choice of the whole response; `logprobs` already in its wire format."""
+        out: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason}
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            out["message"] = {"role": "assistant", "content": text}
         else:
-            choice["text"] = text
-        out = {
-            **self._head(self.object),
-            "choices": [choice],
-            "usage": usage(len(self.prompt_ids), len(token_ids)),
-        }
+            out["text"] = text
         if self.return_token_ids:
-            choice["token_ids"] = list(token_ids)
-            out["prompt_token_ids"] = list(self.prompt_ids)
+            out["token_ids"] = list(token_ids)
+            if not self.chat:  # vLLM: each completions choice names its prompt's ids
+                out["prompt_token_ids"] = self.prompts[index // self.n]
+        return out
+
+    def full(self, choices: list[dict[str, Any]], completion_tokens: int) -> dict[str, Any]:
+        out = {**self._head(self.object), "choices": sorted(choices, key=lambda c: c["index"])}
+        out["usage"] = self.usage(completion_tokens)
+        if self.return_token_ids and len(self.prompts) == 1:
+            out["prompt_token_ids"] = self.prompts[0]
         return out
 
     def chunk(
         self,
+        index: int,
         text: str,
         token_ids: list[int],
         finish_reason: str | None,
         *,
         role: bool = False,
+        logprobs: Any = None,
         usage_now: dict[str, int] | None = None,
         with_usage: bool = False,
     ) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+        choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason}
         if self.chat:
             choice["delta"] = {"role": "assistant", "content": text} if role else {"content": text}
         else:
@@ -451,7 +555,7 @@ class ResponseBuilder:
 
     def usage_chunk(self, completion_tokens: int) -> dict[str, Any]:
         head = self._head("chat.completion.chunk" if self.chat else "text_completion")
-        return {**head, "choices": [], "usage": usage(len(self.prompt_ids), completion_tokens)}
+        return {**head, "choices": [], "usage": self.usage(completion_tokens)}
 
 
 def sse(obj: Any) -> str:
