@@ -36,6 +36,7 @@ from hmoe_jax.serve.guard import (
     GuardPolicy,
     RequestGuard,
 )
+from hmoe_jax.serve.ingest import Ingest
 from hmoe_jax.serve.metrics import ServerMetrics
 from hmoe_jax.serve.openai_logprobs import LogprobFormatter
 from hmoe_jax.serve.request import Backend, RequestError, RequestHandle
@@ -104,6 +105,7 @@ class ServerState:
         self.healthy, self.kv_usage, self.iterations = healthy, kv_usage, iterations
         self.metrics = ServerMetrics(options.model_name)
         self.logprobs = LogprobFormatter(tokenizer.decode)
+        self.ingest = Ingest(tokenizer, chat, options.max_model_len)  # text -> ids off the event loop
         self.live: dict[int, _Live] = {}
         self.draining = False
         self._retiring: set[asyncio.Task] = set()
@@ -111,10 +113,13 @@ class ServerState:
 
     # ------------------------------------------------------------ admission
 
-    def admit(self, ids: list[int], params: Any, arrival_s: float) -> RequestHandle:
+    def check_room(self, n: int = 1) -> None:
+        """503 while draining, 429 when n more requests would pass the admission bound.
+        Called before a prompt is tokenized (so a full server refuses a 4 MB prompt at
+        once) and again at admission (others may have come in meanwhile)."""
         if self.draining:
             raise P.ApiError(503, "server is shutting down", type="service_unavailable", code="shutting_down")
-        if len(self.live) >= self.opt.max_in_flight:
+        if len(self.live) + n > self.opt.max_in_flight:
             raise P.ApiError(
                 429,
                 f"server is at its admission bound of {self.opt.max_in_flight} requests in flight; retry later",
@@ -122,6 +127,9 @@ class ServerState:
                 code="rate_limit_exceeded",
                 headers={"Retry-After": str(self.opt.retry_after_s)},
             )
+
+    def admit(self, ids: list[int], params: Any, arrival_s: float) -> RequestHandle:
+        self.check_room()
         try:
             h = self.backend.submit(ids, params)
         except ValueError as e:
@@ -343,9 +351,9 @@ def create_app(state: ServerState) -> FastAPI:
         if (req.prompt is None) == (req.messages is None):
             raise P.ApiError(400, "give exactly one of prompt or messages", param="prompt")
         if req.messages is not None:
-            ids = state.chat.encode(req.messages)
+            ids = await state.ingest.encode_chat(req.messages, fit=False)
         else:
-            ids = state.tokenizer.encode(req.prompt)
+            ids = await state.ingest.encode(req.prompt, fit=False)
             bos = getattr(state.tokenizer, "BOS", getattr(state.tokenizer, "bos_id", None))
             if not req.add_special_tokens and bos is not None and ids[:1] == [bos]:
                 ids = ids[1:]
@@ -364,10 +372,14 @@ def create_app(state: ServerState) -> FastAPI:
         req = P.parse_body(P.CompletionRequest, await request.body())
         check_model(req.model)
         prompts = _completion_prompts(req.prompt)
+        if len(prompts) * req.n <= opt.max_in_flight:  # else _generate's 400 says why
+            state.check_room(len(prompts) * req.n)
+        texts = [p for p in prompts if isinstance(p, str)]
+        encoded = iter(await state.ingest.encode_many(texts)) if texts else iter(())
         jobs = []
         for i, p in enumerate(prompts):
             if isinstance(p, str):
-                jobs.append((state.tokenizer.encode(p), p))
+                jobs.append((next(encoded), p))
             else:
                 param = (
                     "prompt" if len(prompts) == 1 and not isinstance(req.prompt[0], list) else f"prompt.{i}"
@@ -381,7 +393,10 @@ def create_app(state: ServerState) -> FastAPI:
         arrival = _arrival(request)
         req = P.parse_body(P.ChatCompletionRequest, await request.body())
         check_model(req.model)
-        return await _generate(request, req, [(state.chat.encode(req.messages), None)], arrival, chat=True)
+        if req.n <= opt.max_in_flight:
+            state.check_room(req.n)
+        ids = await state.ingest.encode_chat(req.messages)
+        return await _generate(request, req, [(ids, None)], arrival, chat=True)
 
     async def _generate(
         request: Request, req: Any, prompts: list[tuple[list[int], str | None]], arrival: float, *, chat: bool

@@ -52,8 +52,10 @@ class Ingest:
             param=where,
         )
 
-    async def encode(self, text: str, where: str = "prompt") -> list[int]:
-        self.check_chars(len(text), where)
+    async def encode(self, text: str, where: str = "prompt", *, fit: bool = True) -> list[int]:
+        """fit=False (/tokenize: counting a prompt is not serving it): no context check."""
+        if fit:
+            self.check_chars(len(text), where)
         return await self._run(self.tokenizer.encode, text)
 
     async def encode_many(self, texts: Sequence[str], where: str = "prompt") -> list[list[int]]:
@@ -61,9 +63,10 @@ class Ingest:
             self.check_chars(len(t), f"{where}.{i}" if len(texts) > 1 else where)
         return list(await asyncio.gather(*(self._run(self.tokenizer.encode, t) for t in texts)))
 
-    async def encode_chat(self, messages: Sequence[Any]) -> list[int]:
+    async def encode_chat(self, messages: Sequence[Any], *, fit: bool = True) -> list[int]:
         # the template only adds text, so the messages' own characters are a lower bound
-        self.check_chars(_text_chars(messages), "messages")
+        if fit:
+            self.check_chars(_text_chars(messages), "messages")
         return await self._run(self.chat.encode, messages)
 
     async def _run(self, fn: Any, arg: Any) -> Any:
