@@ -6,6 +6,7 @@ at any stage leaves no KV row or shm segment behind."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -100,7 +101,10 @@ def test_cancel_in_prefill_and_mid_handover_leaves_nothing(pd, solo):
     _no_orphans(pd)
 
 
-def test_killed_decode_worker_is_reported_within_2s_and_restarted(pd, solo):
+def test_killed_decode_worker_is_reported_within_2s_and_restarted(pd, solo, caplog):
+    caplog.set_level(logging.WARNING, logger="hmoe_jax.serve.pd")
+    metrics = _metrics_app(pd)
+    assert metrics()['hmoe:worker_restarts_total{model_name="pd",role="decode"}'] == 0
     h = pd.submit(PROMPTS[0], _greedy(200))
     it = h.stream(timeout=120)
     for _ in range(3):
@@ -114,9 +118,37 @@ def test_killed_decode_worker_is_reported_within_2s_and_restarted(pd, solo):
     assert h.request.finished_s - t0 <= 2.0
     pd.wait_ready(300)
     assert pd.pid("decode") != victim and pd.workers["decode"].restarts == 1
+    # the operator's lines: role, pid and signal of the death, then the new pid once it is back
+    warned = [r for r in caplog.records if r.name == "hmoe_jax.serve.pd" and r.levelno == logging.WARNING]
+    msgs = [r.getMessage() for r in warned]
+    assert any(
+        f"decode worker pid {victim} died (signal SIGKILL)" in m and "restarting" in m for m in msgs
+    ), msgs
+    assert any(f"decode worker restarted: pid {pd.pid('decode')} ready" in m for m in msgs), msgs
+    after = metrics()
+    assert after['hmoe:worker_restarts_total{model_name="pd",role="decode"}'] == 1
+    assert after['hmoe:worker_restarts_total{model_name="pd",role="prefill"}'] == 0
+    assert "vllm:kv_cache_usage_perc" not in after  # P/D has no one KV pool to report
     nxt = pd.submit(PROMPTS[1], _greedy(NEW[1])).result(300)
     assert nxt.finish_reason == "length" and nxt.tokens == solo[1]
     _no_orphans(pd)
+
+
+def _metrics_app(pd: PDCoordinator):
+    """The HTTP app on this coordinator, wired as `hmoe serve --pd` wires it: its /metrics."""
+    from fastapi.testclient import TestClient
+
+    from hmoe_jax.serve.http import ServeOptions, ServerState, create_app
+    from hmoe_jax.serve.metrics import parse_metrics
+    from hmoe_jax.serve.openai_protocol import ChatTemplate
+    from tests.serve_stub import TOK
+
+    opts = ServeOptions(model_name="pd", root="/pd", vocab_size=pd.cfg.vocab_size, max_model_len=MAX_LEN)
+    state = ServerState(
+        pd, TOK, ChatTemplate(None, TOK.encode), opts, healthy=lambda: pd.healthy, worker_restarts=pd.restarts
+    )
+    client = TestClient(create_app(state))
+    return lambda: parse_metrics(client.get("/metrics").text)
 
 
 def test_bad_requests_are_refused_at_submit(pd):

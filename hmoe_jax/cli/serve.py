@@ -131,7 +131,10 @@ def add_serve_parsers(sub: Any) -> None:
     )
     s.add_argument("--trace-engine", action="store_true", help="with --trace: every engine op too (slower)")
     s.add_argument(
-        "--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"]
+        "--log-level",
+        default="warning",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn's and hmoe_jax's log lines on stderr (a --pd worker's death and restart: warning)",
     )
     s.set_defaults(func=_serve)
 

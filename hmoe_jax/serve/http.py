@@ -86,7 +86,9 @@ class _Live:
 
 class ServerState:
     """What the routes share: the backend, tokenizer, chat template, metrics, live requests.
-    `healthy` and `kv_usage` are probes of the backend (kv_usage None: not known)."""
+    `healthy`, `kv_usage`, `iterations` and `worker_restarts` are probes of the backend (None:
+    not known or not applicable; the metric is then absent from /metrics, not 0);
+    worker_restarts: {role: restarts so far} of a backend with worker processes (P/D)."""
 
     def __init__(
         self,
@@ -98,11 +100,13 @@ class ServerState:
         healthy: Callable[[], bool] = lambda: True,
         kv_usage: Callable[[], float | None] = lambda: None,
         iterations: Callable[[], int | None] = lambda: None,
+        worker_restarts: Callable[[], dict[str, int] | None] = lambda: None,
         trace: Any = None,
     ):
         self.backend, self.tokenizer, self.chat, self.opt = backend, tokenizer, chat, options
         self.trace = trace  # a TraceRecorder: each streamed token's wait / detok / send (servetrace.py)
         self.healthy, self.kv_usage, self.iterations = healthy, kv_usage, iterations
+        self.worker_restarts = worker_restarts
         self.metrics = ServerMetrics(options.model_name)
         self.logprobs = LogprobFormatter(tokenizer.decode)
         self.ingest = Ingest(tokenizer, chat, options.max_model_len)  # text -> ids off the event loop
@@ -211,10 +215,14 @@ class ServerState:
         m.running.set(running)
         m.waiting.set(waiting)
         m.in_flight.set(len(self.live))
-        if (kv := self.kv_usage()) is not None:
-            m.kv_usage.set(kv)
-        if (it := self.iterations()) is not None:
-            m.iterations.set(it)
+        for gauge, value in ((m.kv_usage, self.kv_usage()), (m.iterations, self.iterations())):
+            if value is None:
+                gauge.clear()  # not known now: absent, not a stale or made-up value
+            else:
+                gauge.set(value)
+        m.worker_restarts.clear()
+        for role, n in (self.worker_restarts() or {}).items():
+            m.worker_restarts.set(n, role)
 
 
 def _trace_token(tr: Any, h: RequestHandle, i: int, recv_ns: int, yield_ns: int, sent_ns: int | None) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -201,7 +202,7 @@ def build_state(args: argparse.Namespace, run: Any) -> tuple[ServerState, Callab
         backend = PDCoordinator(
             run.checkpoint, policy, engine=engine_opts, prefill_devices=per_worker, decode_devices=per_worker
         ).wait_ready()
-        probes["healthy"] = lambda: backend.healthy
+        probes.update(healthy=lambda: backend.healthy, worker_restarts=backend.restarts)
         max_model_len = cache_len(max_len)
         close = backend.close
     else:
@@ -260,10 +261,23 @@ def warm_up(backend: Any, vocab_size: int, max_batch: int | None = None) -> floa
     return time.perf_counter() - t0
 
 
+def log_to_stderr(level: str) -> None:
+    """Our loggers (hmoe_jax.*: a P/D worker's death and restart) to stderr at --log-level,
+    with level and time, beside uvicorn's lines; once per process."""
+    root = logging.getLogger("hmoe_jax")
+    if not any(getattr(h, "_hmoe_serve", False) for h in root.handlers):
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s"))
+        h._hmoe_serve = True  # type: ignore[attr-defined]
+        root.addHandler(h)
+    root.setLevel(level.upper())
+
+
 def serve(args: argparse.Namespace, run: Any) -> int:
     """`hmoe serve` for parsed args and the cli.Run of the model: until a signal, then 0."""
     from hmoe_jax.io.errors import InputError
 
+    log_to_stderr(args.log_level)
     if args.max_num_seqs < 1:
         raise InputError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
     if args.max_in_flight is not None and args.max_in_flight < 1:
@@ -317,4 +331,4 @@ def serve(args: argparse.Namespace, run: Any) -> int:
     return 0
 
 
-__all__ = ["build_state", "guard_options", "serve", "warm_up"]
+__all__ = ["build_state", "guard_options", "log_to_stderr", "serve", "warm_up"]

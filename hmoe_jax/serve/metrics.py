@@ -9,24 +9,37 @@ latency the client sees. Arrival is when uvicorn handed the request over (http.p
   TTFT = first token - arrival
   inter-token latency = every gap between consecutive tokens
   TPOT (per request) = (last token - first token) / (tokens - 1)
+  vllm:time_per_output_token_seconds = every gap between consecutive tokens, as vLLM
+    observes it (its pre-0.11 name of the inter-token latency, kept for dashboards that
+    read it; vllm/v1/metrics/loggers.py fills both from the same per-token latencies)
   e2e = finish - arrival; queue = prefill start - arrival; prefill = first token - prefill
   start; decode = last token - first token.
 Gauges (running, waiting, KV usage, in flight) are read from the live requests at scrape time.
+A gauge or counter that does not apply to the backend (KV usage and scheduler iterations under
+--pd, worker restarts without workers) or has no value yet is absent from the exposition,
+not 0: a 0 would read as "empty" / "never", which is a claim we cannot make.
+The process_* metrics (memory, CPU, open fds, start time) and python_* are prometheus_client's
+collectors, registered on our registry as they are on its default one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
+    GCCollector,
     Histogram,
+    PlatformCollector,
+    ProcessCollector,
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 disable_created_metrics()  # no *_created series (vLLM turns them off too)
 
@@ -40,6 +53,50 @@ LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 FINISHED_REASONS = ("stop", "length", "abort", "error")
+
+
+class MaybeMetric(Collector):
+    """A gauge or counter that is in the exposition only while it has a value (set), so one
+    that does not apply to this backend is absent rather than a constant 0. `label`: the name
+    of one label besides model_name (its values are given to set), or None. A counter's value
+    is a running total kept elsewhere (a coordinator's restart count), set at scrape time."""
+
+    def __init__(self, kind: str, name: str, doc: str, model_name: str, label: str | None = None):
+        if kind not in ("gauge", "counter"):
+            raise ValueError(f"MaybeMetric kind must be gauge or counter, got {kind!r}")
+        if kind == "counter" and not name.endswith("_total"):
+            raise ValueError(f"counter {name!r} must end in _total (its exposed name)")
+        self.kind, self.name, self.doc, self.model_name, self.label = kind, name, doc, model_name, label
+        self.values: dict[str, float] = {}  # label value ("" without a label) -> value
+
+    def set(self, value: float, label_value: str = "") -> None:
+        if (label_value != "") != (self.label is not None):
+            raise ValueError(f"{self.name}: label value {label_value!r} for label {self.label!r}")
+        self.values[label_value] = float(value)
+
+    def clear(self) -> None:
+        self.values.clear()
+
+    @property
+    def value(self) -> float | None:
+        return self.values.get("")
+
+    def _family(self) -> Metric:
+        labels = ["model_name"] + ([self.label] if self.label else [])
+        if self.kind == "gauge":
+            return GaugeMetricFamily(self.name, self.doc, labels=labels)
+        return CounterMetricFamily(self.name, self.doc, labels=labels)
+
+    def describe(self) -> Iterator[Metric]:  # the registry's name-clash check, without values
+        yield self._family()
+
+    def collect(self) -> Iterator[Metric]:
+        if not self.values:
+            return
+        fam = self._family()
+        for lv, v in sorted(self.values.items()):
+            fam.add_metric([self.model_name] + ([lv] if self.label else []), v)
+        yield fam
 
 
 class ServerMetrics:
@@ -56,17 +113,35 @@ class ServerMetrics:
 
         self.running = gauge("vllm:num_requests_running", "Requests prefilling or decoding")
         self.waiting = gauge("vllm:num_requests_waiting", "Requests accepted, not yet started")
-        self.kv_usage = gauge(
-            "vllm:kv_cache_usage_perc", "KV-cache usage: fraction of pool rows in use (0-1)"
-        )
         self.in_flight = gauge(
             "hmoe:requests_in_flight", "Accepted requests not yet finished (the admission count)"
         )
-        self.iterations = gauge("hmoe:scheduler_iterations", "Scheduler iterations run so far")
-        self.cancel_iterations = gauge(
+
+        def maybe(kind: str, name: str, doc: str, label: str | None = None) -> MaybeMetric:
+            m = MaybeMetric(kind, name, doc, model_name, label)
+            r.register(m)
+            return m
+
+        # absent while the backend cannot say (--pd has no one KV pool, no scheduler iterations)
+        self.kv_usage = maybe(
+            "gauge", "vllm:kv_cache_usage_perc", "KV-cache usage: fraction of pool rows in use (0-1)"
+        )
+        self.iterations = maybe("gauge", "hmoe:scheduler_iterations", "Scheduler iterations run so far")
+        self.cancel_iterations = maybe(  # absent until a cancel has been measured
+            "gauge",
             "hmoe:cancel_to_free_iterations",
             "Last cancelled request (client gone, stop string): scheduler iterations from the cancel until it was freed",
         )
+        self.worker_restarts = maybe(  # only with worker processes (--pd)
+            "counter",
+            "hmoe:worker_restarts_total",
+            "Worker processes restarted after they died, by role",
+            label="role",
+        )
+        # the default registry's process_* / python_* collectors, on ours (vLLM serves them too)
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
         self.prompt_tokens = Counter(
             "vllm:prompt_tokens", "Prompt tokens of finished requests", lab, registry=r
         )
@@ -86,6 +161,11 @@ class ServerMetrics:
         self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token", TTFT_BUCKETS)
         self.itl = hist(
             "vllm:inter_token_latency_seconds", "Gap between consecutive output tokens", ITL_BUCKETS
+        )
+        self.tpot_per_token = hist(
+            "vllm:time_per_output_token_seconds",
+            "Gap between consecutive output tokens (vLLM's former name of the inter-token latency)",
+            ITL_BUCKETS,
         )
         self.tpot = hist(
             "vllm:request_time_per_output_token_seconds",
@@ -131,6 +211,7 @@ class ServerMetrics:
         self.decode.observe(token_s[-1] - token_s[0])
         for a, b in zip(token_s, token_s[1:]):
             self.itl.observe(b - a)
+            self.tpot_per_token.observe(b - a)
         if len(token_s) > 1:
             self.tpot.observe((token_s[-1] - token_s[0]) / (len(token_s) - 1))
 

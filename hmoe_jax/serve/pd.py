@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import os
 import shutil
 import signal
@@ -67,17 +68,24 @@ from hmoe_jax.serve.request import Request, RequestHandle, new_request
 
 ROLES = ("prefill", "decode")
 _tags = itertools.count()
+log = logging.getLogger(__name__)
 
 
 def _exit_text(code: int | None) -> str:
     if code is None:
         return "exit code unknown"
     if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
+        name = _signal_name(-code)
+        return f"killed by {name}" if name.startswith("SIG") else f"killed by signal {name}"
     return f"exit code {code}"
+
+
+def _signal_name(num: int) -> str:
+    """SIGKILL for 9; the number itself for one Python has no name for."""
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return str(num)
 
 
 def _gpu_count() -> int:
@@ -206,6 +214,10 @@ class PDCoordinator(CoreRunner):
     def healthy(self) -> bool:
         return all(w.state == "ready" for w in self.workers.values())
 
+    def restarts(self) -> dict[str, int]:
+        """{role: times its worker was restarted after dying} (hmoe:worker_restarts_total)."""
+        return {r: w.restarts for r, w in self.workers.items()}
+
     def pid(self, role: str) -> int | None:
         p = self.workers[role].proc
         return None if p is None else p.pid
@@ -306,16 +318,26 @@ class PDCoordinator(CoreRunner):
             e = self._entries[rid]
             kvshm.discard(e.segment)
             self._end(e, "error", f"{why}; the request was lost and the worker is being restarted")
+        code = w.proc.returncode
+        # one line for operators: role, pid, the signal (or exit code), what happens next
+        how = f"signal {_signal_name(-code)}" if code is not None and code < 0 else _exit_text(code)
+        died = f"{role} worker pid {w.proc.pid} died ({how})"
+        lost_text = f", {len(lost)} request(s) lost" if lost else ""
         if w.state == "starting" and not w.info:
             w.state = "failed"
             w.info["error"] = why + " while starting"
+            log.error("%s while starting%s; not restarted", died, lost_text)
             self._fail_queue(w.info["error"])
         elif self._closed or w.restarts >= self.max_restarts:
             w.state = "failed"
             w.info["error"] = f"{why}; not restarted (restarts: {w.restarts})"
+            log.error(
+                "%s%s; not restarted (restarts: %d of %d)", died, lost_text, w.restarts, self.max_restarts
+            )
             self._fail_queue(w.info["error"])
         else:
             w.restarts += 1
+            log.warning("%s%s; restarting (restart %d of %d)", died, lost_text, w.restarts, self.max_restarts)
             self._spawn(w)
         self._lock.notify_all()
 
@@ -371,6 +393,11 @@ class PDCoordinator(CoreRunner):
         kind = msg[0]
         if kind == "ready":
             w.state, w.info = "ready", msg[1]
+            if w.restarts:
+                log.warning(
+                    "%s worker restarted: pid %d ready (restart %d of %d)",
+                    w.spec.role, w.proc.pid, w.restarts, self.max_restarts,
+                )  # fmt: skip
             self._lock.notify_all()
         elif kind == "fatal":
             w.state, w.info = "failed", {"error": msg[1]}
