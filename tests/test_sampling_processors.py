@@ -263,39 +263,56 @@ def test_engine_min_tokens_suppresses_stop_and_bias_forces_a_token():
     assert eng.pool.in_use == 0
 
 
-def test_scheduler_streams_logprobs_aligned_with_tokens():
-    """Through the scheduler, whole and chunked prefills: one logprob per token, the prompt
-    logprobs set before the first token, equal to the engine run alone."""
-    from hmoe_jax.engine.engine import Engine
+SCHED_CASES = [
+    ("fcfs", {}, None),
+    ("paper", dict(long_prompt_tokens=100, chunk_tokens=4, dual_batch="off"), "chunk"),
+    # the long prompt arrives while a short one decodes: an slp prefill on the background lane
+    ("paper", dict(long_prompt_tokens=8, chunk_tokens=4, dual_batch="off", idle_window_s=60.0), "background"),
+]
+
+
+@pytest.mark.parametrize("policy,opts,path", SCHED_CASES)
+def test_scheduler_streams_logprobs_aligned_with_tokens(policy, opts, path):
+    """Through the scheduler (whole, chunked and background-lane prefills): one logprob per
+    token, the prompt logprobs set before the first token, equal to the engine run alone."""
     from hmoe_jax.serve.scheduler import Scheduler
 
     cfg, params, prompt = model()
-    eng = Engine(params, cfg, devices=1, expert_fn="ref", precision="f32", max_batch=4, max_len=64)
+    eng = sched_engine()
     solo = engine()
     sp = SamplingParams(max_new_tokens=4, stop_ids=(), logprobs=2, prompt_logprobs=1)
     ref = solo.start(prompt, sp, schedule="cpu")
     while not ref.done:
         solo.step([ref])
-    for policy, opts in (
-        ("fcfs", {}),
-        ("paper", dict(long_prompt_tokens=8, chunk_tokens=4, dual_batch="off")),
-    ):
-        sched = Scheduler(eng, policy, **opts)
-        seen: list[int] = []
-        h = sched.submit(prompt, sp)
-        h2 = sched.submit(prompt[:5], SamplingParams(max_new_tokens=3, stop_ids=()))
-        sched.drain(120)
-        r = h.result(1)
-        seen = [e.token for e in r.logprobs]
-        assert r.tokens == ref.tokens and seen == r.tokens, policy
-        np.testing.assert_allclose(
-            [e.logprob for e in r.logprobs], [e.logprob for e in ref.logprobs], atol=ATOL
-        )
-        assert r.prompt_logprobs[0] is None and len(r.prompt_logprobs) == len(prompt)
-        np.testing.assert_allclose(
-            [e.logprob for e in r.prompt_logprobs[1:]],
-            [e.logprob for e in ref.prompt_logprobs[1:]],
-            atol=ATOL,
-        )
-        assert h2.result(1).logprobs == [] and h2.result(1).prompt_logprobs is None
+    sched = Scheduler(eng, policy, **opts)
+    h2 = sched.submit(prompt[:5], SamplingParams(max_new_tokens=8, stop_ids=()))
+    if path == "background":  # let the short one start decoding first
+        for _ in range(3):
+            sched.step()
+    h = sched.submit(prompt, sp)
+    first_prompt_lps = []
+    h._listeners.append(lambda: first_prompt_lps.append(h.request.prompt_logprobs))
+    sched.drain(120)
+    acts = [a for it in sched.log for a in it["actions"]]
+    if path == "chunk":
+        assert any(a["kind"] == "chunk" for a in acts), acts
+    if path == "background":
+        assert any(a["kind"] == "prefill" and a["background"] for a in acts), acts
+    r = h.result(1)
+    assert r.tokens == ref.tokens and [e.token for e in r.logprobs] == r.tokens
+    np.testing.assert_allclose([e.logprob for e in r.logprobs], [e.logprob for e in ref.logprobs], atol=ATOL)
+    assert first_prompt_lps and first_prompt_lps[0] is not None  # set before the first token
+    assert r.prompt_logprobs[0] is None and len(r.prompt_logprobs) == len(prompt)
+    np.testing.assert_allclose(
+        [e.logprob for e in r.prompt_logprobs[1:]], [e.logprob for e in ref.prompt_logprobs[1:]], atol=ATOL
+    )
+    assert h2.result(1).logprobs == [] and h2.result(1).prompt_logprobs is None
     assert eng.pool.in_use == 0
+
+
+@functools.cache
+def sched_engine():
+    from hmoe_jax.engine.engine import Engine
+
+    cfg, params, _ = model()
+    return Engine(params, cfg, devices=2, expert_fn="ref", precision="f32", max_batch=4, max_len=64)
