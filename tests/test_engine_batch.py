@@ -111,6 +111,36 @@ def test_sampled_request_is_reproducible_whatever_its_batch():
     assert s2.tokens == refs[0]
 
 
+def test_processed_request_is_reproducible_whatever_its_batch():
+    """With logit processors and min-p (issue #28) a seeded request still draws the same
+    tokens alone and beside a plain greedy and a plain sampled request, which keep theirs."""
+    cfg, _, prompts, refs = model()
+    eng = engine(1)
+    sp = SamplingParams(
+        temperature=0.9,
+        min_p=0.05,
+        seed=77,
+        max_new_tokens=5,
+        stop_ids=(),
+        repetition_penalty=1.3,
+        frequency_penalty=0.4,
+        presence_penalty=0.2,
+        logit_bias=((7, 2.0),),
+        logprobs=1,
+    )
+    plain = SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_new_tokens=5, stop_ids=())
+    alone = eng.generate(prompts[2], 5, schedule="cpu", stop_ids=(), sampling=sp).tokens
+    plain_alone = eng.generate(prompts[1], 5, schedule="cpu", stop_ids=(), sampling=plain).tokens
+    s1 = eng.start(prompts[2], sp, schedule="cpu")
+    s2 = eng.start(prompts[0], SamplingParams(max_new_tokens=6, stop_ids=()), schedule="cpu")
+    s3 = eng.start(prompts[1], plain, schedule="cpu")
+    while not (s1.done and s2.done and s3.done):
+        eng.step([s for s in (s1, s2, s3) if not s.done])
+    assert s1.tokens == alone and [lp.token for lp in s1.logprobs] == alone
+    assert s2.tokens == refs[0] and s2.logprobs == []
+    assert s3.tokens == plain_alone
+
+
 def test_pool_rows_from_a_byte_budget():
     cfg, params, *_ = model()
     from hmoe_jax.runtime.kvpool import bytes_per_row

@@ -154,6 +154,12 @@ def _metrics_app(pd: PDCoordinator):
 def test_bad_requests_are_refused_at_submit(pd):
     with pytest.raises(ValueError, match="out of range"):
         pd.submit([pd.cfg.vocab_size + 5], _greedy(2))
+    # the workers' pipe carries token ids only: logprobs are refused, not silently dropped
+    for lp in (dict(logprobs=2), dict(prompt_logprobs=0)):
+        with pytest.raises(ValueError, match="logprobs are not supported with --pd yet"):
+            pd.submit([5, 17, 2], SamplingParams(max_new_tokens=2, **lp))
+    with pytest.raises(ValueError, match="logit_bias: token id"):
+        pd.submit([5, 17, 2], SamplingParams(max_new_tokens=2, logit_bias=((pd.cfg.vocab_size, 1.0),)))
     with pytest.raises(ValueError, match="KV row length"):
         pd.submit(list(np.arange(200) % 50), _greedy(100))
     assert pd.healthy

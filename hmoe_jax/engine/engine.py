@@ -28,7 +28,14 @@ from hmoe_jax.model.generate import check_prompt
 from hmoe_jax.model.moe import ExpertFn, experts_ref
 from hmoe_jax.model.params import ModelParams
 from hmoe_jax.model.precision import Precision, policy
-from hmoe_jax.model.sampling import SamplingParams, sample_batch
+from hmoe_jax.model.sampling import (
+    RowHistory,
+    SamplingParams,
+    TokenLogprob,
+    check_logit_bias,
+    sample_batch,
+    token_logprobs,
+)
 from hmoe_jax.plan.buckets import cache_len
 from hmoe_jax.plan.format import Plan
 from hmoe_jax.plan.system import SystemSpec
@@ -134,6 +141,10 @@ class SeqState:
     plan_meta: dict[str, Any] = dataclasses.field(default_factory=dict)
     streamed_bytes: int = 0
     stops: frozenset[int] = frozenset()
+    # with params.logprobs set: one per generated token; with params.prompt_logprobs set: one
+    # per prompt token (the first None: nothing predicts it), filled chunk by chunk
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class Engine:
@@ -386,6 +397,7 @@ class Engine:
         PoolExhausted (nothing allocated) when no row is free."""
         params = (params or SamplingParams()).validate()
         ids = check_prompt(self.cfg, prompt_ids, params.max_new_tokens)
+        check_logit_bias(params, self.cfg.vocab_size)
         row = self.pool.alloc(ids.size + params.max_new_tokens)
         stops = frozenset(self.cfg.eos_ids if params.stop_ids is None else params.stop_ids)
         return SeqState(ids, params, row, 0, stops=stops)
@@ -402,32 +414,68 @@ class Engine:
     ) -> bool:
         """Prefill prompt tokens [seq.pos, t1) of an admitted sequence into its row (a chunk
         when t1 < prompt length: only the cpu schedule takes a start position). After the
-        last chunk, sample the first token. Returns True when the prompt is done."""
+        last chunk, sample the first token. Returns True when the prompt is done. With
+        params.prompt_logprobs set, every chunk runs with all_logits and its prompt logprobs
+        are computed on the device as it ends (only the top-k reach the host)."""
         n = seq.prompt.size
         t0, t1 = seq.pos, n if t1 is None else min(int(t1), n)
         if not 0 <= t0 < t1:
             raise ValueError(f"prefill_seq: empty chunk [{t0}, {t1}) of a {n}-token prompt")
         start = time.perf_counter()
-        plan = self.plan(schedule, t1 - t0, t0, all_logits=all_logits, **options)
+        want_all = all_logits or seq.params.prompt_logprobs is not None
+        plan = self.plan(schedule, t1 - t0, t0, all_logits=want_all, **options)
         rows = np.array([seq.row], np.int32)
         run, secs = self.run_plan(plan, seq.prompt[t0:t1], self.pool, t0, rows=rows, trace=trace)
         seq.pos = t1
         seq.prefill_s += secs
         seq.streamed_bytes += sum(run.streamed_bytes.values())
         seq.schedule, seq.plan_meta = plan.schedule, dict(plan.meta)
+        logits = jnp.concatenate([lg[0] for lg in run.logits], axis=0)
+        if seq.params.prompt_logprobs is not None:
+            self.record_prompt_logprobs(seq, logits, t0, t1)
         if t1 < n:
             return False
-        logits = jnp.concatenate([lg[0] for lg in run.logits], axis=0)
+        logits = logits if all_logits else logits[-1:]
         self.first_token(seq, logits, seq.prefill_s - secs + time.perf_counter() - start)
         return True
 
+    @staticmethod
+    def record_prompt_logprobs(seq: SeqState, logits: jax.Array, t0: int, t1: int) -> None:
+        """Prompt logprobs from the logits [t1 - t0, V] of prompt positions [t0, t1) (a
+        prefill run with all_logits): position t's logits give entry t + 1,
+        log_softmax(logits[t])[prompt[t + 1]], and its top-k."""
+        n, tc = seq.prompt.size, logits.shape[0]
+        if tc != t1 - t0 or t1 > n:
+            raise ValueError(f"prompt logprobs: {tc} logits rows for prompt positions [{t0}, {t1}) of {n}")
+        if seq.prompt_logprobs is None:
+            seq.prompt_logprobs = [None]
+        if len(seq.prompt_logprobs) != t0 + 1:
+            raise ValueError(f"prompt logprobs: chunk from {t0} after {len(seq.prompt_logprobs)} entries")
+        m = min(tc, n - 1 - t0)  # the last prompt position predicts the first generated token
+        k = seq.params.prompt_logprobs
+        seq.prompt_logprobs += token_logprobs(
+            logits, range(m), seq.prompt[t0 + 1 : t0 + 1 + m].tolist(), [k] * m
+        )
+
     def first_token(self, seq: SeqState, logits: jax.Array, ttft_s: float) -> None:
         """Sample a prefilled sequence's first token from its prompt's logits [T or 1, V]."""
-        tok = int(sample_batch(logits[-1:], [seq.params], [0])[0])
+        (tok,) = self._sample([seq], logits[-1:])
         seq.pos = seq.prompt.size
         seq.ttft_s = ttft_s
         seq.prefill_logits = np.asarray(logits)
         self._append(seq, tok)
+
+    def _sample(self, seqs: list[SeqState], logits: jax.Array) -> list[int]:
+        """Each sequence's next token from logits [B, V] (its processors applied), recording
+        its logprob (of the raw logits) when it asked. Returns the tokens, not yet appended."""
+        params = [s.params for s in seqs]
+        history = [RowHistory(s.prompt, s.tokens, s.stops) for s in seqs]
+        new = sample_batch(logits, params, [len(s.tokens) for s in seqs], history).tolist()
+        asked = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        ks = [seqs[i].params.logprobs for i in asked]
+        for i, lp in zip(asked, token_logprobs(logits, asked, [new[i] for i in asked], ks)):
+            seqs[i].logprobs.append(lp)
+        return new
 
     def _append(self, seq: SeqState, tok: int) -> None:
         seq.tokens.append(tok)
@@ -460,12 +508,12 @@ class Engine:
     def take_step(self, seqs: list[SeqState], logits: jax.Array, dt_s: float) -> list[int]:
         """Sample each sequence's next token from a decode step's logits [B, V] and append it
         (a stop id or max_new_tokens finishes the sequence and frees its row)."""
-        new = sample_batch(logits, [s.params for s in seqs], [len(s.tokens) for s in seqs])
-        for s, tok in zip(seqs, new.tolist()):
+        new = self._sample(seqs, logits)
+        for s, tok in zip(seqs, new):
             s.pos += 1
             s.decode_s.append(dt_s)
             self._append(s, int(tok))
-        return new.tolist()
+        return new
 
     def cancel(self, seq: SeqState) -> None:
         """Stop a sequence now and free its row."""

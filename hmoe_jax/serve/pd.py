@@ -189,6 +189,9 @@ class PDCoordinator(CoreRunner):
         if self._closed:
             raise RuntimeError("P/D coordinator is closed")
         req = new_request(self.cfg, prompt_ids, params, self.max_len, time.perf_counter(), "the workers'")
+        if req.params.logprobs is not None or req.params.prompt_logprobs is not None:
+            # the workers' pipe carries token ids only (pd_worker.py)
+            raise ValueError("logprobs are not supported with --pd yet")
         e = _Entry(RequestHandle(req, self._cancel))
         with self._lock:
             self._inbox.append(e)

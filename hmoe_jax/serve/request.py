@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from hmoe_jax.model.generate import check_prompt
-from hmoe_jax.model.sampling import SamplingParams, TokenLogprob
+from hmoe_jax.model.sampling import SamplingParams, TokenLogprob, check_logit_bias
 from hmoe_jax.policies.core import check_fits
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
@@ -87,6 +87,7 @@ def new_request(
     max_len tokens (policies/core.check_fits); else ValueError naming the problem."""
     params = (params or SamplingParams()).validate()
     ids = check_prompt(cfg, prompt_ids, params.max_new_tokens)
+    check_logit_bias(params, cfg.vocab_size)
     check_fits(int(ids.size), params.max_new_tokens, max_len, whose)
     return Request(ids, params, now_s)
 

@@ -262,10 +262,17 @@ class Scheduler(CoreRunner):
     def _prefilled(self, e: _Entry) -> None:
         """The first token exists: stream it; the request decodes from the next iteration."""
         seq = e.seq
-        e.handle.emit(seq.tokens[-1], self.clock())
+        e.req.prompt_logprobs = seq.prompt_logprobs  # before the first token: a stream reads it then
+        self._emit(e, self.clock())
         self.core.decoding(e.req.id)
         if seq.done:
             self._finish(e, seq.finish_reason)
+
+    @staticmethod
+    def _emit(e: _Entry, t_s: float) -> None:
+        """Stream a sequence's newest token (with its logprob when the request asked)."""
+        seq = e.seq
+        e.handle.emit(seq.tokens[-1], t_s, seq.logprobs[-1] if seq.params.logprobs is not None else None)
 
     def _lane(self, devices: tuple[int, ...]) -> Engine:
         if devices not in self._lanes:
@@ -281,7 +288,8 @@ class Scheduler(CoreRunner):
             try:
                 t0 = time.perf_counter()
                 cache = lane.new_cache(cache_len(ids.size), 1)
-                logits, run, secs, plan = lane.prefill(ids, cache, a.schedule, row=0)
+                want_all = e.req.params.prompt_logprobs is not None  # prompt logprobs need every position
+                logits, run, secs, plan = lane.prefill(ids, cache, a.schedule, row=0, all_logits=want_all)
                 out.update(cache=cache, logits=logits, secs=secs, plan=plan, run=run)
                 out["ttft_s"] = time.perf_counter() - t0
             except BaseException as ex:  # noqa: BLE001 (reported when adopted)
@@ -315,7 +323,9 @@ class Scheduler(CoreRunner):
             seq.prefill_s, seq.schedule = out["secs"], out["plan"].schedule
             seq.plan_meta = dict(out["plan"].meta)
             seq.streamed_bytes = sum(out["run"].streamed_bytes.values())
-            self.engine.first_token(seq, out["logits"], out["ttft_s"])
+            if seq.params.prompt_logprobs is not None:
+                self.engine.record_prompt_logprobs(seq, out["logits"], 0, int(seq.prompt.size))
+            self.engine.first_token(seq, out["logits"][-1:], out["ttft_s"])
             self._prefilled(e)
         return ran
 
@@ -341,7 +351,7 @@ class Scheduler(CoreRunner):
             self.core.decoded(now)
         with span(self.trace, SCHED, "emit", tokens=len(entries)):
             for e in entries:
-                e.handle.emit(e.seq.tokens[-1], now)
+                self._emit(e, now)
                 if e.seq.done:
                     self._finish(e, e.seq.finish_reason)
 
