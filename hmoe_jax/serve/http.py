@@ -60,6 +60,7 @@ class ServeOptions:
     allowed_origins: tuple[str, ...] = ()  # CORS origins; empty: no Access-Control-* headers
     generation: GenerationDefaults = NO_DEFAULTS  # generation_config.json's sampling defaults
     eos_ids: tuple[int, ...] = ()  # the model's eos ids: stop_token_ids are added to them
+    reasoning_parser: str | None = None  # "deepseek_r1": reasoning_content apart (serve/reasoning.py)
 
 
 @dataclasses.dataclass
@@ -366,7 +367,7 @@ def create_app(state: ServerState) -> FastAPI:
         check_model(req.model)
         if req.n <= opt.max_in_flight:
             state.check_room(req.n)
-        ids = await state.ingest.encode_chat(req.messages)
+        ids = await state.ingest.encode_chat(req.messages, tools=req.tool_dicts())
         return await generate(state, request, req, [(ids, None)], arrival, chat=True)
 
     return app

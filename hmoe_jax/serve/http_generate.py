@@ -16,6 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from hmoe_jax.serve import openai_protocol as P
+from hmoe_jax.serve.chat_output import ChatOutput
 from hmoe_jax.serve.request import RequestError, RequestHandle
 from hmoe_jax.serve.servetrace import HTTP
 
@@ -38,6 +39,7 @@ class _Choice:
     text_offset: int = 0  # characters already sent (completions logprobs' text_offset)
     first: bool = True
     reason: str | None = None  # finish reason, once known
+    post: ChatOutput | None = None  # chat with tools / a reasoning parser: the message's fields
 
 
 def _trace_token(tr: Any, h: RequestHandle, i: int, recv_ns: int, yield_ns: int, sent_ns: int | None) -> None:
@@ -95,6 +97,12 @@ async def generate(
     handles = state.admit_all(jobs, arrival)
     echo = getattr(req, "echo", False)
     stops = P.stop_strings(req)
+    tools_on = chat and req.tools_on()
+    post = (
+        (lambda: ChatOutput(reasoning=opt.reasoning_parser, tools=tools_on))
+        if chat and (opt.reasoning_parser or tools_on)
+        else None
+    )
     choices = [
         _Choice(
             i,
@@ -102,6 +110,7 @@ async def generate(
             P.TextStream(state.tokenizer.decode, stops),
             ids,
             (text if text is not None else state.tokenizer.decode(ids)) if echo else None,
+            post=post() if post else None,
         )
         for i, (h, (ids, text)) in enumerate(zip(handles, meta))
     ]
@@ -177,16 +186,19 @@ async def _whole(
         raise P.ApiError(500, err, type="internal_server_error")
     if any(c.reason in (None, "abort") for c in choices):
         return Response(status_code=499)  # the client went away: nobody reads this
-    body = [
-        out.choice(
-            c.index,
-            (c.echo or "") + c.text.text,
-            c.text.ids,
-            c.reason,
-            _logprobs(state, c, 0, len(c.text.ids), out.chat),
+    body = []
+    for c in choices:
+        message = c.post.whole(c.text.text) if c.post is not None else None
+        body.append(
+            out.choice(
+                c.index,
+                (c.echo or "") + c.text.text,
+                c.text.ids,
+                "tool_calls" if c.post is not None and c.post.called else c.reason,
+                _logprobs(state, c, 0, len(c.text.ids), out.chat),
+                message=message,
+            )
         )
-        for c in choices
-    ]
     return JSONResponse(out.full(body, sum(len(c.text.ids) for c in choices)))
 
 
@@ -206,7 +218,7 @@ async def _stream(
         except RequestError as e:
             events.put_nowait((c, _ERROR, str(e)))
 
-    def chunk(c: _Choice, delta: str, finish: str | None) -> str:
+    def chunk(c: _Choice, delta: str, finish: str | None, fields: dict[str, Any] | None = None) -> str:
         hi = c.sent + len(c.pending)
         lp = _logprobs(state, c, c.sent, hi, chat)
         if c.first and c.echo is not None:
@@ -221,9 +233,23 @@ async def _stream(
             logprobs=lp,
             usage_now=out.usage(done_tokens) if usage_every else None,
             with_usage=so.include_usage,
+            delta=fields,
         )
         c.first, c.pending, c.sent = False, [], hi
         return P.sse(body)
+
+    def last(c: _Choice, delta: str, finish: str) -> list[str]:
+        """The choice's last chunks: the rest of its text (and, parsed, its tool calls)."""
+        if c.post is None:
+            return [chunk(c, delta, finish)]
+        parts = c.post.finish(delta) or [{"content": ""}]
+        finish = "tool_calls" if c.post.called else finish
+        return [chunk(c, "", finish if k == len(parts) - 1 else None, p) for k, p in enumerate(parts)]
+
+    def middle(c: _Choice, delta: str) -> list[str]:
+        if c.post is None:
+            return [chunk(c, delta, None)] if delta else []
+        return [chunk(c, "", None, p) for p in c.post.push(delta)]
 
     tr = state.trace
     pumps = [asyncio.ensure_future(pump(c)) for c in choices]
@@ -239,7 +265,8 @@ async def _stream(
                     open_ -= 1
                     if c.reason is None:  # not cut by a stop string: the rest of its text
                         c.reason = c.handle.request.finish_reason or "abort"
-                        yield chunk(c, c.text.finish(), c.reason)
+                        for body in last(c, c.text.finish(), c.reason):
+                            yield body
                     continue
                 if c.reason is not None:
                     continue  # a token after the stop string: not part of the response
@@ -249,11 +276,12 @@ async def _stream(
                 if c.text.stopped:
                     state.cancel(c.handle)
                     c.reason = "stop"
-                    yield chunk(c, delta, "stop")
-                elif delta:
-                    body = chunk(c, delta, None)
+                    for body in last(c, delta, "stop"):
+                        yield body
+                elif bodies := middle(c, delta):
                     t_yield = time.perf_counter_ns()
-                    yield body
+                    for body in bodies:
+                        yield body
                     if tr is not None:
                         _trace_token(tr, c.handle, len(c.recv_s) - 1, info, t_yield, time.perf_counter_ns())
                 elif tr is not None:
