@@ -304,7 +304,13 @@ BAD = [  # (path, body, status, param, words in the message)
         "messages.0.content.0.type",
         "",
     ),
-    ("/v1/chat/completions", {**GOOD_CHAT, "tools": [{"type": "function"}]}, 400, "tools", "not supported"),
+    (
+        "/v1/chat/completions",
+        {**GOOD_CHAT, "tools": [{"type": "function"}]},
+        400,
+        "tools.0.function",
+        "missing required field",
+    ),
     (
         "/v1/chat/completions",
         {**GOOD_CHAT, "max_completion_tokens": 1100},

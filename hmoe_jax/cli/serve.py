@@ -5,7 +5,7 @@
              [--policy-option KEY=VALUE ...] [--served-model-name NAME] [--max-model-len N]
              [--max-num-seqs N] [--max-in-flight N] [--devices N] [--precision bf16|f32] [--pd]
              [--api-key KEY] [--max-request-bytes N] [--upload-timeout-s S] [--allowed-hosts H,...] [--allowed-origins O,...]
-             [--generation-config auto|none|DIR]
+             [--generation-config auto|none|DIR] [--reasoning-parser deepseek_r1]
   hmoe bench serve --url URL (--scenario NAME | --dataset FILE) [--endpoint completions|chat]
              [--request-rate R] [--burstiness G] [--max-concurrency C]
              [--goodput ttft:MS tpot:MS e2el:MS] [--result-file FILE]
@@ -70,6 +70,12 @@ def add_serve_parsers(sub: Any) -> None:
         default=None,
         metavar="H,...",
         help="Host header names answered, '*' any (default: localhost names on loopback, else the --host)",
+    )
+    s.add_argument(
+        "--reasoning-parser",
+        choices=("deepseek_r1",),
+        default=None,
+        help="chat: text up to </think> as reasoning_content (vLLM's flag; default: off, all text is content)",
     )
     s.add_argument(
         "--allowed-origins",

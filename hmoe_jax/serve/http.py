@@ -12,7 +12,8 @@ disconnects has its request cancelled (the scheduler frees its KV row the next i
 the request still counts as in flight until the backend has finished it, so the admission
 count and the gauges never run ahead of the KV it holds. Before any route, the request guard
 (serve/guard.py) checks Host, API key, Content-Type and body size; CORS is off unless
-`allowed_origins` names origins.
+`allowed_origins` names origins. Generation (choices, whole / streamed answers) is in
+serve/http_generate.py.
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hmoe_jax.io.generation_config import NO_DEFAULTS, GenerationDefaults
@@ -36,11 +37,11 @@ from hmoe_jax.serve.guard import (
     GuardPolicy,
     RequestGuard,
 )
+from hmoe_jax.serve.http_generate import generate
 from hmoe_jax.serve.ingest import Ingest
 from hmoe_jax.serve.metrics import ServerMetrics
 from hmoe_jax.serve.openai_logprobs import LogprobFormatter
 from hmoe_jax.serve.request import Backend, RequestError, RequestHandle
-from hmoe_jax.serve.servetrace import HTTP
 
 
 @dataclasses.dataclass
@@ -59,23 +60,7 @@ class ServeOptions:
     allowed_origins: tuple[str, ...] = ()  # CORS origins; empty: no Access-Control-* headers
     generation: GenerationDefaults = NO_DEFAULTS  # generation_config.json's sampling defaults
     eos_ids: tuple[int, ...] = ()  # the model's eos ids: stop_token_ids are added to them
-
-
-@dataclasses.dataclass
-class _Choice:
-    """One choice of a response: its request, text and what the HTTP layer has sent of it."""
-
-    index: int
-    handle: RequestHandle
-    text: P.TextStream
-    prompt_ids: list[int]
-    echo: str | None  # completions `echo`: the prompt text put before the choice's text
-    recv_s: list[float] = dataclasses.field(default_factory=list)  # when each token was received
-    pending: list[int] = dataclasses.field(default_factory=list)  # token ids not yet sent
-    sent: int = 0  # tokens already sent (streaming)
-    text_offset: int = 0  # characters already sent (completions logprobs' text_offset)
-    first: bool = True
-    reason: str | None = None  # finish reason, once known
+    reasoning_parser: str | None = None  # "deepseek_r1": reasoning_content apart (serve/reasoning.py)
 
 
 @dataclasses.dataclass
@@ -225,20 +210,6 @@ class ServerState:
             m.worker_restarts.set(n, role)
 
 
-def _trace_token(tr: Any, h: RequestHandle, i: int, recv_ns: int, yield_ns: int, sent_ns: int | None) -> None:
-    """Token i of h on the http track: wait (the scheduler emitted it -> the event loop took
-    it), detok (text and chunk), send (the ASGI send until the generator resumed)."""
-    emitted = h.request.token_s[i] if i < len(h.request.token_s) else None
-    if emitted is not None:
-        tr.add(HTTP, "wait", int(emitted * 1e9), recv_ns, request=h.id, token=i)
-    tr.add(HTTP, "detok", recv_ns, yield_ns, request=h.id, token=i)
-    if sent_ns is not None:
-        tr.add(HTTP, "send", yield_ns, sent_ns, request=h.id, token=i)
-
-
-_END, _ERROR = object(), object()  # stream events beside token ids: a choice ended / failed
-
-
 def _completion_prompts(prompt: Any) -> list[str | list[int]]:
     """A completions `prompt` (a string, token ids, or a list of either) as a list of prompts."""
     if isinstance(prompt, str) or not isinstance(prompt[0], (str, list)):
@@ -248,13 +219,6 @@ def _completion_prompts(prompt: Any) -> list[str | list[int]]:
 
 def _error_response(e: P.ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-
-async def _until_disconnected(request: Request) -> None:
-    while True:
-        msg = await request.receive()
-        if msg["type"] == "http.disconnect":
-            return
 
 
 class _ArrivalTime:
@@ -380,7 +344,7 @@ def create_app(state: ServerState) -> FastAPI:
         req = P.parse_body(P.CompletionRequest, await request.body())
         check_model(req.model)
         prompts = _completion_prompts(req.prompt)
-        if len(prompts) * req.n <= opt.max_in_flight:  # else _generate's 400 says why
+        if len(prompts) * req.n <= opt.max_in_flight:  # else generate()'s 400 says why
             state.check_room(len(prompts) * req.n)
         texts = [p for p in prompts if isinstance(p, str)]
         encoded = iter(await state.ingest.encode_many(texts)) if texts else iter(())
@@ -394,7 +358,7 @@ def create_app(state: ServerState) -> FastAPI:
                 )
                 ids = P.check_token_ids(p, opt.vocab_size, param)
                 jobs.append((ids, None))
-        return await _generate(request, req, jobs, arrival, chat=False)
+        return await generate(state, request, req, jobs, arrival, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -403,210 +367,8 @@ def create_app(state: ServerState) -> FastAPI:
         check_model(req.model)
         if req.n <= opt.max_in_flight:
             state.check_room(req.n)
-        ids = await state.ingest.encode_chat(req.messages)
-        return await _generate(request, req, [(ids, None)], arrival, chat=True)
-
-    async def _generate(
-        request: Request, req: Any, prompts: list[tuple[list[int], str | None]], arrival: float, *, chat: bool
-    ) -> Response:
-        """Validate every choice's parameters, admit all choices (or none), answer."""
-        gen = opt.generation
-        where = "messages" if chat else "prompt"
-        if len(prompts) * req.n > opt.max_in_flight:
-            raise P.ApiError(
-                400,
-                f"{len(prompts)} prompt(s) x n={req.n} choices exceed this server's "
-                f"{opt.max_in_flight} requests in flight",
-                param="n",
-            )
-        jobs, meta = [], []
-        for ids, prompt_text in prompts:
-            if not ids:
-                raise P.ApiError(400, "the prompt encodes to no tokens", param=where)
-            n_new = P.max_new_tokens(
-                req, len(ids), opt.max_model_len, chat=chat, default_max_tokens=gen.max_new_tokens
-            )
-            base = P.sampling_params(req, n_new, gen, vocab_size=opt.vocab_size, eos_ids=opt.eos_ids)
-            for seed in P.sample_seeds(req, base.temperature, req.n):
-                jobs.append((ids, dataclasses.replace(base, seed=seed)))
-                meta.append((ids, prompt_text))
-        handles = state.admit_all(jobs, arrival)
-        echo = getattr(req, "echo", False)
-        stops = P.stop_strings(req)
-        choices = [
-            _Choice(
-                i,
-                h,
-                P.TextStream(state.tokenizer.decode, stops),
-                ids,
-                (text if text is not None else state.tokenizer.decode(ids)) if echo else None,
-            )
-            for i, (h, (ids, text)) in enumerate(zip(handles, meta))
-        ]
-        out = P.ResponseBuilder(
-            opt.model_name,
-            chat=chat,
-            prompts=[ids for ids, _ in prompts],
-            n=req.n,
-            return_token_ids=req.return_token_ids,
-        )
-        if req.stream:
-            so = req.stream_options or P.StreamOptions()
-            return StreamingResponse(_stream(choices, out, so, chat), media_type="text/event-stream")
-        return await _whole(request, choices, out)
-
-    def _logprobs(c: _Choice, lo: int, hi: int, chat: bool) -> Any:
-        """The wire-format logprobs of c's tokens [lo, hi) (and, for the first piece of an
-        echoed completion, its prompt's first), or None when the request asked for none."""
-        r = c.handle.request
-        if r.params.logprobs is None:
-            return None
-        ids, entries = list(c.text.ids[lo:hi]), list(r.logprobs[lo:hi])
-        try:
-            if chat:
-                return {"content": state.logprobs.chat(ids, entries)}
-            if c.echo is not None and lo == 0:
-                prompt_lps = r.prompt_logprobs
-                if prompt_lps is None:
-                    raise ValueError("logprobs: the backend reported no prompt logprobs")
-                ids, entries = c.prompt_ids + ids, list(prompt_lps) + entries
-            obj, c.text_offset = state.logprobs.completion(ids, entries, c.text_offset)
-            return obj
-        except ValueError as e:
-            raise P.ApiError(500, str(e), type="internal_server_error") from None
-
-    async def _whole(request: Request, choices: list[_Choice], out: P.ResponseBuilder) -> Response:
-        async def consume(c: _Choice) -> None:
-            try:
-                async for tok in c.handle.astream():
-                    c.recv_s.append(time.perf_counter())
-                    c.text.push(tok)
-                    if c.text.stopped:
-                        state.cancel(c.handle)
-                        c.reason = "stop"
-                        return
-            except RequestError:
-                c.reason = "error"
-                raise
-            c.text.finish()
-            c.reason = c.handle.request.finish_reason or "abort"
-
-        task = asyncio.gather(*(consume(c) for c in choices))
-        watch = asyncio.ensure_future(_until_disconnected(request))
-        err = None
-        try:
-            done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if task in done:
-                task.result()  # raises RequestError if a choice failed
-        except RequestError as e:
-            err = str(e)
-        finally:
-            for t in (task, watch):
-                t.cancel()
-            for c in choices:  # a failed choice, or a client gone: nobody reads the others
-                if not c.handle.done:
-                    state.cancel(c.handle)
-                state.retire(c.handle, c.recv_s, c.reason or "abort")
-        if err is not None:
-            raise P.ApiError(500, err, type="internal_server_error")
-        if any(c.reason in (None, "abort") for c in choices):
-            return Response(status_code=499)  # the client went away: nobody reads this
-        body = [
-            out.choice(
-                c.index,
-                (c.echo or "") + c.text.text,
-                c.text.ids,
-                c.reason,
-                _logprobs(c, 0, len(c.text.ids), out.chat),
-            )
-            for c in choices
-        ]
-        return JSONResponse(out.full(body, sum(len(c.text.ids) for c in choices)))
-
-    async def _stream(
-        choices: list[_Choice], out: P.ResponseBuilder, so: P.StreamOptions, chat: bool
-    ) -> AsyncIterator[str]:
-        """Chunks of every choice as their tokens come (each chunk names its choice), a
-        finish chunk per choice, then the usage chunk if asked, then [DONE]."""
-        usage_every = so.include_usage and so.continuous_usage_stats
-        events: asyncio.Queue = asyncio.Queue()
-
-        async def pump(c: _Choice) -> None:
-            try:
-                async for tok in c.handle.astream():
-                    events.put_nowait((c, tok, time.perf_counter_ns()))
-                events.put_nowait((c, _END, None))
-            except RequestError as e:
-                events.put_nowait((c, _ERROR, str(e)))
-
-        def chunk(c: _Choice, delta: str, finish: str | None) -> str:
-            hi = c.sent + len(c.pending)
-            lp = _logprobs(c, c.sent, hi, chat)
-            if c.first and c.echo is not None:
-                delta = c.echo + delta
-            done_tokens = sum(len(x.text.ids) for x in choices)
-            body = out.chunk(
-                c.index,
-                delta,
-                c.pending,
-                finish,
-                role=chat and c.first,
-                logprobs=lp,
-                usage_now=out.usage(done_tokens) if usage_every else None,
-                with_usage=so.include_usage,
-            )
-            c.first, c.pending, c.sent = False, [], hi
-            return P.sse(body)
-
-        tr = state.trace
-        pumps = [asyncio.ensure_future(pump(c)) for c in choices]
-        try:
-            try:
-                open_ = len(choices)
-                while open_:
-                    c, tok, info = await events.get()
-                    if tok is _ERROR:
-                        c.reason = "error"
-                        raise RequestError(info)
-                    if tok is _END:
-                        open_ -= 1
-                        if c.reason is None:  # not cut by a stop string: the rest of its text
-                            c.reason = c.handle.request.finish_reason or "abort"
-                            yield chunk(c, c.text.finish(), c.reason)
-                        continue
-                    if c.reason is not None:
-                        continue  # a token after the stop string: not part of the response
-                    c.recv_s.append(time.perf_counter())
-                    c.pending.append(tok)
-                    delta = c.text.push(tok)
-                    if c.text.stopped:
-                        state.cancel(c.handle)
-                        c.reason = "stop"
-                        yield chunk(c, delta, "stop")
-                    elif delta:
-                        body = chunk(c, delta, None)
-                        t_yield = time.perf_counter_ns()
-                        yield body
-                        if tr is not None:
-                            _trace_token(
-                                tr, c.handle, len(c.recv_s) - 1, info, t_yield, time.perf_counter_ns()
-                            )
-                    elif tr is not None:
-                        _trace_token(tr, c.handle, len(c.recv_s) - 1, info, time.perf_counter_ns(), None)
-                if so.include_usage:
-                    yield P.sse(out.usage_chunk(sum(len(c.text.ids) for c in choices)))
-            except RequestError as e:
-                yield P.sse(P.ApiError(500, str(e), type="internal_server_error").body())
-            except P.ApiError as e:  # a backend that broke the logprobs contract
-                yield P.sse(e.body())
-            yield P.SSE_DONE
-        finally:  # also on a client disconnect (Starlette cancels this generator)
-            for p in pumps:
-                p.cancel()
-            for c in choices:
-                if not c.handle.done:
-                    state.cancel(c.handle)
-                state.retire(c.handle, c.recv_s, c.reason or "abort")
+        ids = await state.ingest.encode_chat(req.messages, tools=req.tool_dicts())
+        return await generate(state, request, req, [(ids, None)], arrival, chat=True)
 
     return app
 

@@ -32,6 +32,7 @@ import uvicorn
 
 from hmoe_jax.serve.http import ServeOptions, ServerState, create_app
 from hmoe_jax.serve.openai_protocol import ChatTemplate
+from hmoe_jax.serve.reasoning import check_parser
 
 
 class _GracefulServer(uvicorn.Server):
@@ -174,6 +175,10 @@ def build_state(args: argparse.Namespace, run: Any) -> tuple[ServerState, Callab
     from hmoe_jax.plan.buckets import cache_len
 
     guard = guard_options(args)  # a bad flag is refused before any backend starts
+    try:
+        reasoning_parser = check_parser(getattr(args, "reasoning_parser", None))
+    except ValueError as e:
+        raise InputError(str(e)) from None
     max_len = args.max_model_len or min(4096, run.max_context)
     if not 1 <= max_len <= run.max_context:
         raise InputError(f"--max-model-len {max_len} must be in [1, {run.max_context}] (the context)")
@@ -239,6 +244,7 @@ def build_state(args: argparse.Namespace, run: Any) -> tuple[ServerState, Callab
         **guard,
         generation=run.generation,
         eos_ids=run.cfg.eos_ids,
+        reasoning_parser=reasoning_parser,
     )
     chat = ChatTemplate(run.checkpoint, run.tokenizer.encode)
     return ServerState(backend, run.tokenizer, chat, opts, trace=trace, **probes), close

@@ -63,11 +63,13 @@ class Ingest:
             self.check_chars(len(t), f"{where}.{i}" if len(texts) > 1 else where)
         return list(await asyncio.gather(*(self._run(self.tokenizer.encode, t) for t in texts)))
 
-    async def encode_chat(self, messages: Sequence[Any], *, fit: bool = True) -> list[int]:
+    async def encode_chat(
+        self, messages: Sequence[Any], *, fit: bool = True, tools: Sequence[Any] | None = None
+    ) -> list[int]:
         # the template only adds text, so the messages' own characters are a lower bound
         if fit:
             self.check_chars(_text_chars(messages), "messages")
-        return await self._run(self.chat.encode, messages)
+        return await self._run(lambda _: self.chat.encode(messages, tools), None)
 
     async def _run(self, fn: Any, arg: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, arg)

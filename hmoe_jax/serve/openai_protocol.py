@@ -22,14 +22,14 @@ import re
 import secrets
 import time
 import uuid
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hmoe_jax.io.generation_config import NO_DEFAULTS, GenerationDefaults
 from hmoe_jax.model.sampling import MAX_LOGPROBS, SamplingParams
+from hmoe_jax.serve.textstream import TextStream  # noqa: F401 (re-exported: P.TextStream)
 
 log = logging.getLogger(__name__)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
@@ -118,10 +118,44 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionDef(_Strict):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema, passed to the chat template
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(_Strict):
+    name: str = Field(min_length=1)
+    arguments: str  # a JSON object as a string, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call they answer
 
     def text(self) -> str:
         if self.content is None:
@@ -136,9 +170,22 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted; the model decides how many calls it makes
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template gets them (a named tool_choice: only that one)."""
+        if not self.tools:
+            return None
+        tools = [t.model_dump(exclude_none=True) for t in self.tools]
+        if isinstance(self.tool_choice, NamedToolChoice):
+            tools = [t for t in tools if t["function"]["name"] == self.tool_choice.function.name]
+        return tools
+
+    def tools_on(self) -> bool:
+        """Whether tool calls are parsed out of the output: tools given, tool_choice not none."""
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 class TokenizeRequest(_Body):
@@ -155,9 +202,6 @@ class DetokenizeRequest(_Body):
 
 _UNSUPPORTED = {  # field -> its neutral value; anything else is a 400 naming the field
     "suffix": None,
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "parallel_tool_calls": None,
 }
 
 
@@ -197,6 +241,8 @@ def parse_body(model: type[BaseModel], body: bytes) -> Any:
         raise ApiError(
             400, f"response_format type {fmt.type!r} is not supported: only 'text'", param="response_format"
         )
+    if isinstance(req, ChatCompletionRequest):
+        check_tools(req)
     if isinstance(req, ChatCompletionRequest) and req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     if getattr(req, "stream_options", None) is not None and not req.stream:
@@ -216,6 +262,54 @@ def parse_body(model: type[BaseModel], body: bytes) -> Any:
     if req.model_extra:
         log.warning("fields present in the request but ignored: %s", ", ".join(sorted(req.model_extra)))
     return req
+
+
+def check_tools(req: ChatCompletionRequest) -> None:
+    """Tool names unique; a named or required tool_choice has tools to choose from; tool
+    calls only on assistant messages; each tool message answers an earlier call's id."""
+    names: dict[str, int] = {}
+    for i, t in enumerate(req.tools or []):
+        if t.function.name in names:
+            raise ApiError(
+                400,
+                f"tools.{i}: function name {t.function.name!r} already given by tools.{names[t.function.name]}",
+                param=f"tools.{i}.function.name",
+            )
+        names[t.function.name] = i
+    choice = req.tool_choice
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+        raise ApiError(
+            400, f"tool_choice names {choice.function.name!r}, which is not among tools", param="tool_choice"
+        )
+    if choice == "required" and not names:
+        raise ApiError(400, "tool_choice 'required' needs tools", param="tool_choice")
+    call_ids: set[str] = set()
+    for i, m in enumerate(req.messages):
+        if m.tool_calls is not None and m.role != "assistant":
+            raise ApiError(
+                400,
+                f"messages.{i}: only assistant messages have tool_calls",
+                param=f"messages.{i}.tool_calls",
+            )
+        for c in m.tool_calls or []:
+            call_ids.add(c.id)
+        if m.role == "tool":
+            if m.tool_call_id is None:
+                raise ApiError(
+                    400,
+                    f"messages.{i}: a tool message needs tool_call_id",
+                    param=f"messages.{i}.tool_call_id",
+                )
+            if m.tool_call_id not in call_ids:
+                raise ApiError(
+                    400,
+                    f"messages.{i}: tool_call_id {m.tool_call_id!r} answers no earlier assistant tool call",
+                    param=f"messages.{i}.tool_call_id",
+                )
+        elif m.tool_call_id is not None:
+            raise ApiError(
+                400, f"messages.{i}: only tool messages have tool_call_id", param=f"messages.{i}.tool_call_id"
+            )
 
 
 def _union_tag(p: Any) -> bool:
@@ -354,122 +448,6 @@ def check_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> list[int
     return list(ids)
 
 
-# ---------------------------------------------------------------- chat template
-
-# Used when the checkpoint has no chat template (the embedded tiny model): role-tagged turns.
-DEFAULT_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
-
-
-class ChatTemplate:
-    """The checkpoint's chat template (tokenizer_config.json `chat_template`, or a
-    chat_template.jinja file, as transformers reads them) rendered with Jinja2 in a sandbox,
-    as transformers' apply_chat_template does (trim_blocks, lstrip_blocks,
-    add_generation_prompt, bos/eos tokens). A checkpoint template renders its own special
-    tokens, so its text is encoded without adding them again; the fallback template's text
-    goes through the tokenizer's plain encode (which adds the BOS)."""
-
-    def __init__(self, checkpoint: str | Path | None, encode: Callable[[str], list[int]]):
-        import jinja2.sandbox
-
-        self.source, text, self._special = "default", DEFAULT_CHAT_TEMPLATE, {}
-        self._encode = encode
-        root = Path(checkpoint) if checkpoint is not None else None
-        cfg_path = root / "tokenizer_config.json" if root else None
-        cfg = json.loads(cfg_path.read_text()) if cfg_path and cfg_path.exists() else {}
-        tpl = cfg.get("chat_template")
-        if isinstance(tpl, list):  # [{"name": "default", "template": ...}, ...]
-            tpl = next((t.get("template") for t in tpl if t.get("name") == "default"), None)
-        if tpl is None and root and (root / "chat_template.jinja").exists():
-            tpl = (root / "chat_template.jinja").read_text()
-        if isinstance(tpl, str):
-            self.source, text = "checkpoint", tpl
-            for k in ("bos_token", "eos_token"):
-                v = cfg.get(k)
-                self._special[k] = v.get("content") if isinstance(v, dict) else (v or "")
-            self._encode = _raw_encoder(root) or encode
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise_template_error
-        self._tpl = env.from_string(text)
-
-    def render(self, messages: Sequence[ChatMessage]) -> str:
-        msgs = [
-            {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages
-        ]
-        try:
-            return self._tpl.render(messages=msgs, add_generation_prompt=True, **self._special)
-        except Exception as e:  # noqa: BLE001 (a template's raise_exception or a Jinja error)
-            raise ApiError(400, f"messages: the chat template refused them: {e}", param="messages") from None
-
-    def encode(self, messages: Sequence[ChatMessage]) -> list[int]:
-        return list(self._encode(self.render(messages)))
-
-
-def _raise_template_error(msg: str) -> None:
-    raise ValueError(msg)
-
-
-def _raw_encoder(root: Path | None) -> Callable[[str], list[int]] | None:
-    if root is None or not (root / "tokenizer.json").exists():
-        return None
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(root / "tokenizer.json"))
-    return lambda text: tok.encode(text, add_special_tokens=False).ids
-
-
-# ---------------------------------------------------------------- incremental text
-
-
-class TextStream:
-    """Token ids in, text deltas out, as they become safe to show: a delta never ends in a
-    partial UTF-8 character (decoded text ending in U+FFFD waits for the next token, as
-    TGI / vLLM do), and with stop strings the last max(len(stop)) - 1 characters are held
-    back until they cannot start a stop string. When a stop string appears, the text is cut
-    before it and `stopped` is set (the caller then cancels the request)."""
-
-    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] = ()):
-        self._decode, self.stop = decode, list(stop)
-        self._hold = max((len(s) for s in self.stop), default=1) - 1
-        self.ids: list[int] = []
-        self._prefix = self._read = 0  # TGI's prefix / read offsets into ids
-        self.text = ""  # decoded complete text so far (cut at a stop string)
-        self._sent = 0  # characters of text already returned
-        self.stopped = False
-
-    def push(self, token: int) -> str:
-        if self.stopped:
-            return ""
-        self.ids.append(int(token))
-        before = self._decode(self.ids[self._prefix : self._read])
-        after = self._decode(self.ids[self._prefix :])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self.text += after[len(before) :]
-            self._prefix, self._read = self._read, len(self.ids)
-        return self._emit(final=False)
-
-    def finish(self) -> str:
-        """The rest of the text at the end of the request (a trailing partial character
-        included, as U+FFFD)."""
-        if not self.stopped:
-            before = self._decode(self.ids[self._prefix : self._read])
-            self.text += self._decode(self.ids[self._prefix :])[len(before) :]
-            self._prefix = self._read = len(self.ids)
-        return self._emit(final=True)
-
-    def _emit(self, final: bool) -> str:
-        if self.stop and not self.stopped:
-            start = max(0, self._sent - self._hold)
-            hits = [i for s in self.stop if (i := self.text.find(s, start)) >= 0]
-            if hits:
-                self.text, self.stopped = self.text[: min(hits)], True
-        end = len(self.text) if (final or self.stopped) else max(self._sent, len(self.text) - self._hold)
-        out, self._sent = self.text[self._sent : end], end
-        return out
-
-
 # ---------------------------------------------------------------- responses
 
 
@@ -508,12 +486,19 @@ class ResponseBuilder:
         return usage(self.prompt_tokens, completion_tokens)
 
     def choice(
-        self, index: int, text: str, token_ids: list[int], finish_reason: str, logprobs: Any = None
+        self,
+        index: int,
+        text: str,
+        token_ids: list[int],
+        finish_reason: str,
+        logprobs: Any = None,
+        message: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """One choice of the whole response; `logprobs` already in its wire format."""
+        """One choice of the whole response; `logprobs` already in its wire format; chat:
+        `message` (content / reasoning_content / tool_calls) replaces {"content": text}."""
         out: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason}
         if self.chat:
-            out["message"] = {"role": "assistant", "content": text}
+            out["message"] = {"role": "assistant", **(message if message is not None else {"content": text})}
         else:
             out["text"] = text
         if self.return_token_ids:
@@ -540,10 +525,13 @@ class ResponseBuilder:
         logprobs: Any = None,
         usage_now: dict[str, int] | None = None,
         with_usage: bool = False,
+        delta: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
+        """One stream chunk; chat: `delta` (reasoning_content / tool_calls) replaces {"content": text}."""
         choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason}
         if self.chat:
-            choice["delta"] = {"role": "assistant", "content": text} if role else {"content": text}
+            body = delta if delta is not None else {"content": text}
+            choice["delta"] = {"role": "assistant", **body} if role else body
         else:
             choice["text"] = text
         if self.return_token_ids:
@@ -558,6 +546,16 @@ class ResponseBuilder:
         return {**head, "choices": [], "usage": self.usage(completion_tokens)}
 
 
+def __getattr__(name: str) -> Any:
+    # ChatTemplate lives in chat_template.py (which imports this module); kept importable
+    # from here for the callers that always did.
+    if name in ("ChatTemplate", "DEFAULT_CHAT_TEMPLATE"):
+        from hmoe_jax.serve import chat_template
+
+        return getattr(chat_template, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
@@ -567,7 +565,6 @@ SSE_DONE = "data: [DONE]\n\n"
 __all__ = [
     "ApiError",
     "ChatCompletionRequest",
-    "ChatTemplate",
     "CompletionRequest",
     "DetokenizeRequest",
     "ResponseBuilder",
