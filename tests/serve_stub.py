@@ -4,6 +4,8 @@ fake log-probabilities when the request asks for them (fake_logprob)."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import threading
 import time
 
@@ -74,3 +76,23 @@ class StubBackend:
 
     def close(self):
         pass
+
+
+@contextlib.contextmanager
+def uvicorn_thread(app, timeout_s: float = 20.0):
+    """The ASGI app served by uvicorn on a free loopback port in a thread: yields the port."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="error", lifespan="off"))
+    t = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    t.start()
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        yield sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        t.join(timeout_s)

@@ -8,17 +8,14 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
-import time
 
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
 
 from hmoe_jax.serve.guard import default_allowed_hosts, host_name, parse_allowed_hosts
 from hmoe_jax.serve.http import ServeOptions, ServerState, create_app
 from hmoe_jax.serve.openai_protocol import ChatTemplate
-from tests.serve_stub import TOK, StubBackend, ids
+from tests.serve_stub import TOK, StubBackend, ids, uvicorn_thread
 
 BODY = {"model": "stub", "prompt": "hi", "max_tokens": 3, "temperature": 0}
 KEY = "sk-test-0123456789"
@@ -236,30 +233,17 @@ def test_413_on_a_real_socket_comes_before_the_body_is_sent():
     """uvicorn in a thread: a 50 MB Content-Length gets 413 with no body byte sent, and the
     server closes the connection (the unread body is not parsed as a next request)."""
     app, _ = make_app()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="error", lifespan="off"))
-    t = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    t.start()
-    try:
-        deadline = time.monotonic() + 20
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.02)
-        with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
-            s.sendall(
-                b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                b"Content-Length: 50000000\r\n\r\n"
-            )
-            data = b""
-            while chunk := s.recv(65536):  # ends when the server closes
-                data += chunk
-        head, _, body = data.partition(b"\r\n\r\n")
-        assert head.startswith(b"HTTP/1.1 413"), data[:200]
-        assert json.loads(body)["error"]["code"] == "request_too_large"
-    finally:
-        server.should_exit = True
-        t.join(20)
+    with uvicorn_thread(app) as port, socket.create_connection(("127.0.0.1", port), timeout=20) as s:
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 50000000\r\n\r\n"
+        )
+        data = b""
+        while chunk := s.recv(65536):  # ends when the server closes
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413"), data[:200]
+    assert json.loads(body)["error"]["code"] == "request_too_large"
 
 
 # ---------------------------------------------------------------- Host

@@ -220,19 +220,12 @@ def test_a_50mb_body_and_a_4mb_prompt_do_not_stall_a_stream():
     import time
 
     import httpx
-    import uvicorn
+
+    from tests.serve_stub import uvicorn_thread
 
     app, state, _ = _app(lambda p: [65] * 4000, max_model_len=10**7, max_in_flight=1)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="error", lifespan="off"))
-    t = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    t.start()
     gaps: list[float] = []
-    try:
-        while not server.started:
-            time.sleep(0.02)
+    with uvicorn_thread(app) as port:
         url = f"http://127.0.0.1:{port}"
 
         def stream():
@@ -267,9 +260,6 @@ def test_a_50mb_body_and_a_4mb_prompt_do_not_stall_a_stream():
         assert r.status_code == 429
         grew = _rss_bytes() - rss0
         st.join(60)
-    finally:
-        server.should_exit = True
-        t.join(20)
     assert len(gaps) > 100
     assert t_413 < 1.0, t_413
     assert t_429 < 0.2, t_429

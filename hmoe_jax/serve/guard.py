@@ -175,6 +175,17 @@ class _Disconnected(Exception):
     """The client hung up before its body was complete."""
 
 
+def _check_length(scope: dict, cap: int) -> ApiError | None:
+    length = _header(scope, b"content-length")
+    if length is None:
+        return None
+    if not length.strip().isdigit():
+        return ApiError(400, f"Content-Length {length!r} is not a byte count")
+    if int(length) > cap:
+        return _too_large(cap, f"{int(length)} bytes (Content-Length)")
+    return None
+
+
 def _upload_timeout(limit_s: float, got_bytes: int) -> ApiError:
     return ApiError(
         408,
@@ -193,10 +204,12 @@ def _client(scope: dict) -> str:
 
 class RequestGuard:
     """ASGI middleware applying a GuardPolicy (module docstring). on_reject(status) is told
-    of each refusal (the server's rejected-requests counter)."""
+    of each refusal (the server's rejected-requests counter); before_body(path) may return
+    an ApiError that refuses a request after the header checks and before its body is read
+    (the server's admission bound: 429 / 503, with Connection: close)."""
 
-    def __init__(self, app: Any, policy: GuardPolicy, on_reject: Any = None):
-        self.app, self.policy, self.on_reject = app, policy, on_reject
+    def __init__(self, app: Any, policy: GuardPolicy, on_reject: Any = None, before_body: Any = None):
+        self.app, self.policy, self.on_reject, self.before_body = app, policy, on_reject, before_body
 
     async def _refuse(self, e: ApiError, scope: dict, receive: Any, send: Any) -> None:
         if self.on_reject is not None:
@@ -216,6 +229,12 @@ class RequestGuard:
         has_body = scope.get("method") in _BODY_METHODS
         if err is None and has_body:
             err = _check_content_type(scope)
+        if err is None and has_body:
+            err = _check_length(scope, pol.max_request_bytes)  # a 413 says more than a 429
+        if err is None and has_body and self.before_body is not None:
+            err = self.before_body(scope.get("path", ""))
+            if err is not None:  # the unread body must not be parsed as the next request
+                err.headers = {**err.headers, "Connection": "close"}
         if err is None and has_body:
             try:
                 err, receive = await self._read_body(scope, receive)
@@ -238,12 +257,6 @@ class RequestGuard:
         """(None, a receive that replays the body read) or (the 413 / 408 / 400, receive);
         _Disconnected when the client hangs up first."""
         cap, limit_s = self.policy.max_request_bytes, self.policy.upload_timeout_s
-        length = _header(scope, b"content-length")
-        if length is not None:
-            if not length.strip().isdigit():
-                return ApiError(400, f"Content-Length {length!r} is not a byte count"), receive
-            if int(length) > cap:
-                return _too_large(cap, f"{int(length)} bytes (Content-Length)"), receive
         chunks: list[bytes] = []
         total = 0
         deadline = time.monotonic() + limit_s

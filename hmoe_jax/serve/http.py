@@ -69,6 +69,9 @@ class _Live:
     arrival_s: float
 
 
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
 class ServerState:
     """What the routes share: the backend, tokenizer, chat template, metrics, live requests.
     `healthy`, `kv_usage`, `iterations` and `worker_restarts` are probes of the backend (None:
@@ -104,12 +107,18 @@ class ServerState:
 
     def check_room(self, n: int = 1) -> None:
         """503 while draining, 429 when n more requests would pass the admission bound.
-        Called before a prompt is tokenized (so a full server refuses a 4 MB prompt at
-        once) and again at admission (others may have come in meanwhile)."""
+        Called before a generation request's body is read (the guard, through room_error),
+        before its prompt is tokenized, and at admission (others may have come in meanwhile)."""
+        if (e := self.room_error(n)) is not None:
+            raise e
+
+    def room_error(self, n: int = 1) -> P.ApiError | None:
         if self.draining:
-            raise P.ApiError(503, "server is shutting down", type="service_unavailable", code="shutting_down")
+            return P.ApiError(
+                503, "server is shutting down", type="service_unavailable", code="shutting_down"
+            )
         if len(self.live) + n > self.opt.max_in_flight:
-            raise P.ApiError(
+            return P.ApiError(
                 429,
                 f"server is at its admission bound of {self.opt.max_in_flight} requests in flight; retry later",
                 type="rate_limit_error",
@@ -245,7 +254,14 @@ def create_app(state: ServerState) -> FastAPI:
     # answered and a refusal still carries the CORS headers a browser needs to read it),
     # then the guard, before any route reads the body.
     guard = GuardPolicy(opt.api_key, opt.max_request_bytes, opt.allowed_hosts, opt.upload_timeout_s)
-    app.add_middleware(RequestGuard, policy=guard, on_reject=state.metrics.reject)
+    app.add_middleware(
+        RequestGuard,
+        policy=guard,
+        on_reject=state.metrics.reject,
+        # a full server refuses a generation request before reading its body (a 4 MB prompt
+        # is not uploaded, parsed and tokenized to be told 429)
+        before_body=lambda path: state.room_error() if path in GENERATION_PATHS else None,
+    )
     if opt.allowed_origins:
         app.add_middleware(
             CORSMiddleware,
