@@ -236,6 +236,9 @@ def test_hmoe_serve_pd_passes_policy_system_devices_and_expert_fn_to_the_coordin
         def wait_ready(self):
             return self
 
+        def restarts(self):
+            return {}
+
         def close(self):
             pass
 
