@@ -108,7 +108,6 @@ class _SamplingFields(_Body):
     repetition_penalty: float | None = Field(None, gt=0)  # vLLM (HF's)
     logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias
     response_format: ResponseFormat | None = None
-    guided_json: dict[str, Any] | str | None = None  # vLLM: a JSON schema (object or its text)
     return_token_ids: bool = False  # vLLM: token ids beside the text (prompt_token_ids, token_ids)
     user: str | None = None
 
@@ -376,27 +375,18 @@ def sampling_params(
 
 
 def structured_output(req: _SamplingFields) -> tuple[str, str] | None:
-    """SamplingParams.structured of response_format (or vLLM's guided_json); ApiError(400)
-    naming the field when it is malformed or its schema does not compile (llguidance's
-    message)."""
-    fmt, guided = req.response_format, req.guided_json
+    """SamplingParams.structured of response_format; ApiError(400) naming the field when it
+    is malformed or its schema does not compile (llguidance's message)."""
+    fmt = req.response_format
     if fmt is not None and fmt.type != "json_schema" and fmt.json_schema is not None:
         raise ApiError(
             400,
             f"response_format.json_schema is only allowed with type 'json_schema', not {fmt.type!r}",
             param="response_format.json_schema",
         )
-    if fmt is not None and fmt.type != "text" and guided is not None:
-        raise ApiError(400, "give response_format or guided_json, not both", param="guided_json")
-    if guided is not None:
-        kind, spec, param = (
-            "json_schema",
-            guided if isinstance(guided, str) else json.dumps(guided),
-            "guided_json",
-        )
-    elif fmt is None or fmt.type == "text":
+    if fmt is None or fmt.type == "text":
         return None
-    elif fmt.type == "json_object":
+    if fmt.type == "json_object":
         kind, spec, param = "json_object", "", "response_format"
     else:
         if fmt.json_schema is None:
