@@ -107,7 +107,16 @@ def test_each_field_maps_into_sampling_params():
         ({"logprobs": True}, "logprobs", "integer"),
         ({"n": 0}, "n", "greater than or equal to 1"),
         ({"best_of": 2}, "best_of", "best_of == n"),
-        ({"response_format": {"type": "json_object"}}, "response_format", "'json_object' is not supported"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "no"}},
+                }
+            },
+            "response_format.json_schema.schema",
+            "invalid JSON schema",
+        ),
         ({"suffix": "x"}, "suffix", "not supported"),
         ({"prompt": [[]]}, "prompt.0", "empty"),
         ({"prompt": [[5], [600]]}, "prompt.1", "token id 600 out of range"),

@@ -36,6 +36,7 @@ from hmoe_jax.model.sampling import (
     sample_batch,
     token_logprobs,
 )
+from hmoe_jax.model.structured import Grammar, GrammarCompiler
 from hmoe_jax.plan.buckets import cache_len
 from hmoe_jax.plan.format import Plan
 from hmoe_jax.plan.system import SystemSpec
@@ -145,6 +146,7 @@ class SeqState:
     # per prompt token (the first None: nothing predicts it), filled chunk by chunk
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    grammar: Grammar | None = None  # params.structured's matcher, advanced with every token
 
 
 class Engine:
@@ -185,6 +187,9 @@ class Engine:
         require_gpu: bool = False,
     ):
         self.cfg = cfg
+        # structured output (SamplingParams.structured) needs the tokenizer's grammar side;
+        # the server sets it (GrammarCompiler.for_tokenizer), None refuses such requests
+        self.grammars: GrammarCompiler | None = None
         gpu.check_platforms()
         if not gpu.backend_started():  # else too late: the fraction is read at backend start
             tokens = min(max_len or 4096, cfg.max_position_embeddings)
@@ -398,9 +403,24 @@ class Engine:
         params = (params or SamplingParams()).validate()
         ids = check_prompt(self.cfg, prompt_ids, params.max_new_tokens)
         check_logit_bias(params, self.cfg.vocab_size)
-        row = self.pool.alloc(ids.size + params.max_new_tokens)
         stops = frozenset(self.cfg.eos_ids if params.stop_ids is None else params.stop_ids)
-        return SeqState(ids, params, row, 0, stops=stops)
+        grammar = None
+        if params.structured is not None:
+            self.check_structured(params)
+            grammar = self.grammars.start(*params.structured, stops)
+        row = self.pool.alloc(ids.size + params.max_new_tokens)
+        return SeqState(ids, params, row, 0, stops=stops, grammar=grammar)
+
+    def check_structured(self, params: SamplingParams) -> None:
+        """ValueError when params.structured cannot run here (no grammar side, bad schema)."""
+        if params.structured is None:
+            return
+        if self.grammars is None:
+            raise ValueError(
+                "structured output (response_format json_object / json_schema) is not available: "
+                "it needs llguidance (the serve extra) and the engine's tokenizer (Engine.grammars)"
+            )
+        self.grammars.check(*params.structured)
 
     def prefill_seq(
         self,
@@ -469,7 +489,11 @@ class Engine:
         """Each sequence's next token from logits [B, V] (its processors applied), recording
         its logprob (of the raw logits) when it asked. Returns the tokens, not yet appended."""
         params = [s.params for s in seqs]
-        history = [RowHistory(s.prompt, s.tokens, s.stops) for s in seqs]
+        # structured rows: the grammar's mask, computed on the host (results/bench_grammar_*.json)
+        history = [
+            RowHistory(s.prompt, s.tokens, s.stops, None if s.grammar is None else s.grammar.allowed())
+            for s in seqs
+        ]
         new = sample_batch(logits, params, [len(s.tokens) for s in seqs], history).tolist()
         asked = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         ks = [seqs[i].params.logprobs for i in asked]
@@ -479,7 +503,10 @@ class Engine:
 
     def _append(self, seq: SeqState, tok: int) -> None:
         seq.tokens.append(tok)
-        if tok in seq.stops:
+        if seq.grammar is not None and tok not in seq.stops:
+            seq.grammar.advance(tok)
+        if tok in seq.stops or (seq.grammar is not None and seq.grammar.complete):
+            # a complete document ends the sequence at once: only a stop id could follow
             seq.done, seq.finish_reason = True, "stop"
         elif len(seq.tokens) >= seq.params.max_new_tokens:
             seq.done, seq.finish_reason = True, "length"

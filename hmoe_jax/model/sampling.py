@@ -19,6 +19,12 @@ the device as padded id lists (O(B x tokens) host work, not O(B x V)) and is sca
 mixes processed and plain rows samples the plain rows exactly as without them; a batch with
 no processed row takes the unchanged path (greedy: argmax of the raw f32 logits).
 
+Structured output (model/structured.py): a row's RowHistory may carry an allowed-token
+bitmask (int32 words, bit t % 32 of word t // 32). It is applied first, before the logit
+processors, greedy rows included: a disallowed token's logit becomes -inf. Rows without one
+get an all-ones mask in a masked batch (their logits unchanged, bit for bit); a batch with no
+masked row takes the paths above unchanged.
+
 Log-probabilities (token_logprobs) are the log-softmax of the raw f32 logits, before any
 processor or filter (vLLM's default): the chosen token's and the top k, ties lower id first.
 """
@@ -71,6 +77,10 @@ class SamplingParams:
     # the k most likely. prompt_logprobs: the same for every prompt token after the first.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Structured output: (kind, spec) with kind "json_object" (spec "") or "json_schema"
+    # (spec: the schema as JSON text); the engine masks every step to the grammar
+    # (model/structured.py)
+    structured: tuple[str, str] | None = None
 
     @property
     def processed(self) -> bool:
@@ -118,6 +128,12 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and not 0 <= v <= MAX_LOGPROBS:
                 raise ValueError(f"sampling: {name} must be in [0, {MAX_LOGPROBS}], got {v}")
+        if self.structured is not None:
+            from hmoe_jax.model.structured import schema_of
+
+            if not (isinstance(self.structured, tuple) and len(self.structured) == 2):
+                raise ValueError(f"sampling: structured must be (kind, spec), got {self.structured!r}")
+            schema_of(*self.structured)
         return self
 
 
@@ -185,6 +201,9 @@ class RowHistory(NamedTuple):
     prompt: Sequence[int]
     output: Sequence[int]
     stops: Collection[int]
+    # structured output: the tokens allowed next as an int32 bitmask [ceil(V / 32)] (bit
+    # t % 32 of word t // 32); None = every token
+    allowed: np.ndarray | None = None
 
 
 def _padded(rows: Sequence[Sequence[int]]) -> np.ndarray:
@@ -203,6 +222,32 @@ def _scatter_rows(ids: jax.Array, vals: jax.Array | float, v: int) -> jax.Array:
     cols = jnp.where(ids >= 0, ids, v)  # padding lands out of range and is dropped
     vals = jnp.broadcast_to(jnp.asarray(vals, jnp.float32), ids.shape)
     return jnp.zeros((ids.shape[0], v), jnp.float32).at[rows, cols].add(vals, mode="drop")
+
+
+@jax.jit
+def mask_rows(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """logits [B, V], bitmask [B, ceil(V / 32)] int32 -> [B, V] f32 with the tokens whose bit
+    is clear at -inf (the rest unchanged)."""
+    v = logits.shape[-1]
+    ids = jnp.arange(v)
+    bits = (bitmask[:, ids // 32] >> (ids % 32)) & 1
+    return jnp.where(bits != 0, logits.astype(jnp.float32), -jnp.inf)
+
+
+def mask_inputs(history: Sequence[RowHistory], vocab_size: int) -> np.ndarray | None:
+    """The [B, ceil(V / 32)] bitmask mask_rows takes (all ones for rows without one), or None
+    when no row has one."""
+    if not any(h.allowed is not None for h in history):
+        return None
+    out = np.full((len(history), (vocab_size + 31) // 32), -1, np.int32)
+    for i, h in enumerate(history):
+        if h.allowed is not None:
+            if h.allowed.shape != out.shape[1:]:
+                raise ValueError(
+                    f"sample_batch: row {i}'s token mask has shape {h.allowed.shape}, not {out.shape[1:]}"
+                )
+            out[i] = h.allowed
+    return out
 
 
 @jax.jit
@@ -264,7 +309,12 @@ def sample_batch(
     history: Sequence[RowHistory] | None = None,
 ) -> np.ndarray:
     """Host wrapper: one SamplingParams and step count per row -> ids [B] (numpy). history
-    (one RowHistory per row) is needed when some row's parameters are `processed`."""
+    (one RowHistory per row) is needed when some row's parameters are `processed`; a row's
+    history.allowed (structured output) masks its logits before anything else."""
+    if history is not None:
+        mask = mask_inputs(history, logits.shape[-1])
+        if mask is not None:
+            logits = mask_rows(logits, mask)
     if any(p.processed for p in params):
         if history is None or len(history) != len(params):
             raise ValueError("sample_batch: logit processors need one RowHistory per row")

@@ -114,6 +114,18 @@ def _policy(args: argparse.Namespace) -> Any:
     return policy
 
 
+def grammar_compiler(run: Any):
+    """response_format json_object / json_schema's grammar side for the run's tokenizer, or
+    None (such requests then a 400) when llguidance (the serve extra) is missing."""
+    try:
+        import llguidance  # noqa: F401
+    except ImportError:
+        return None
+    from hmoe_jax.model.structured import GrammarCompiler
+
+    return GrammarCompiler.for_tokenizer(run.tokenizer, run.cfg.vocab_size, run.cfg.eos_ids)
+
+
 def _pd_devices(devices: int | None) -> int:
     """--devices with --pd: the accelerators of both workers together, split evenly."""
     from hmoe_jax.io.errors import InputError
@@ -220,6 +232,7 @@ def build_state(args: argparse.Namespace, run: Any) -> tuple[ServerState, Callab
         eng = Engine(
             run.host_params, run.cfg, devices=devices, system=system, expert_fn=args.expert_fn, **engine_opts
         )
+        eng.grammars = grammar_compiler(run)
         backend = Scheduler(eng, policy, trace=trace, trace_engine=bool(getattr(args, "trace_engine", False)))
         backend.start()
         pool = eng.pool

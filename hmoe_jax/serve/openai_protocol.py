@@ -71,9 +71,16 @@ class _Body(_Strict):
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
 
+class JsonSchemaFormat(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # the output always follows the schema here
+
+
 class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: Any = None
+    json_schema: JsonSchemaFormat | None = None
 
 
 class StreamOptions(_Strict):
@@ -236,11 +243,6 @@ def parse_body(model: type[BaseModel], body: bytes) -> Any:
         raise ApiError(
             400, f"best_of={best_of} is not supported: only best_of == n ({req.n})", param="best_of"
         )
-    fmt = getattr(req, "response_format", None)
-    if fmt is not None and fmt.type != "text":
-        raise ApiError(
-            400, f"response_format type {fmt.type!r} is not supported: only 'text'", param="response_format"
-        )
     if isinstance(req, ChatCompletionRequest):
         check_tools(req)
     if isinstance(req, ChatCompletionRequest) and req.top_logprobs is not None and not req.logprobs:
@@ -364,11 +366,55 @@ def sampling_params(
         min_tokens=int(req.min_tokens),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        structured=structured_output(req),
     )
     try:
         return params.validate()
     except ValueError as e:
         raise ApiError(400, str(e)) from None
+
+
+def structured_output(req: _SamplingFields) -> tuple[str, str] | None:
+    """SamplingParams.structured of response_format; ApiError(400) naming the field when it
+    is malformed or its schema does not compile (llguidance's message)."""
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "json_schema" and fmt.json_schema is not None:
+        raise ApiError(
+            400,
+            f"response_format.json_schema is only allowed with type 'json_schema', not {fmt.type!r}",
+            param="response_format.json_schema",
+        )
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        kind, spec, param = "json_object", "", "response_format"
+    else:
+        if fmt.json_schema is None:
+            raise ApiError(
+                400,
+                "response_format type 'json_schema' needs json_schema",
+                param="response_format.json_schema",
+            )
+        if fmt.json_schema.schema_ is None:
+            raise ApiError(
+                400, "response_format.json_schema needs schema", param="response_format.json_schema.schema"
+            )
+        kind, spec, param = (
+            "json_schema",
+            json.dumps(fmt.json_schema.schema_),
+            "response_format.json_schema.schema",
+        )
+    try:
+        from hmoe_jax.model.structured import check_schema
+
+        check_schema(kind, spec)
+    except ImportError:
+        raise ApiError(
+            400, "response_format json_object / json_schema needs llguidance (the serve extra)", param=param
+        ) from None
+    except ValueError as e:
+        raise ApiError(400, f"{param}: {e}", param=param) from None
+    return kind, spec
 
 
 def sample_seeds(req: _SamplingFields, temperature: float, count: int) -> list[int]:

@@ -192,6 +192,9 @@ class PDCoordinator(CoreRunner):
         if req.params.logprobs is not None or req.params.prompt_logprobs is not None:
             # the workers' pipe carries token ids only (pd_worker.py)
             raise ValueError("logprobs are not supported with --pd yet")
+        if req.params.structured is not None:
+            # the grammar matcher would have to follow the sequence into the decode worker
+            raise ValueError("response_format json_object / json_schema is not supported with --pd yet")
         e = _Entry(RequestHandle(req, self._cancel))
         with self._lock:
             self._inbox.append(e)

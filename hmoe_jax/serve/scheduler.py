@@ -115,6 +115,7 @@ class Scheduler(CoreRunner):
         req = new_request(
             self.engine.cfg, prompt_ids, params, self.engine.max_len, self.clock(), "the engine's"
         )
+        self.engine.check_structured(req.params)  # a bad schema is refused here, not at admit
         e = _Entry(RequestHandle(req, self._cancel))
         with self._lock:
             self._inbox.append(e)
