@@ -96,3 +96,18 @@ def uvicorn_thread(app, timeout_s: float = 20.0):
     finally:
         server.should_exit = True
         t.join(timeout_s)
+
+
+BODY = {"model": "stub", "prompt": "hi", "max_tokens": 20, "temperature": 0}
+
+
+def app_for(backend, **kw):
+    """(TestClient, ServerState) of the HTTP app on `backend` with the byte tokenizer."""
+    from fastapi.testclient import TestClient
+
+    from hmoe_jax.serve.http import ServeOptions, ServerState, create_app
+    from hmoe_jax.serve.openai_protocol import ChatTemplate
+
+    opts = ServeOptions(model_name="stub", root="/stub", vocab_size=512, max_model_len=128)
+    state = ServerState(backend, TOK, ChatTemplate(None, TOK.encode), opts, **kw)
+    return TestClient(create_app(state)), state

@@ -7,20 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from fastapi.testclient import TestClient
 
-from hmoe_jax.serve.http import ServeOptions, ServerState, create_app
 from hmoe_jax.serve.openai_protocol import ApiError, ChatMessage, ChatTemplate, TextStream
-from tests.serve_stub import TOK, StubBackend, ids
-
-
-def app_for(backend, **kw) -> tuple[TestClient, ServerState]:
-    opts = ServeOptions(model_name="stub", root="/stub", vocab_size=512, max_model_len=128)
-    state = ServerState(backend, TOK, ChatTemplate(None, TOK.encode), opts, **kw)
-    return TestClient(create_app(state)), state
-
-
-BODY = {"model": "stub", "prompt": "hi", "max_tokens": 20, "temperature": 0}
+from tests.serve_stub import BODY, TOK, StubBackend, app_for, ids
 
 
 def test_health_is_503_when_a_worker_is_down_and_draining_refuses():

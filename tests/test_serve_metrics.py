@@ -9,8 +9,7 @@ import os
 import pytest
 
 from hmoe_jax.serve.metrics import ITL_BUCKETS, MaybeMetric, parse_metrics
-from tests.serve_stub import StubBackend, ids
-from tests.test_serve_http_app import BODY, app_for
+from tests.serve_stub import BODY, StubBackend, app_for, ids
 
 M = 'model_name="stub"'
 TPOT = "vllm:time_per_output_token_seconds"

@@ -1,7 +1,8 @@
 """The OpenAI wire format `hmoe serve` speaks: request bodies (validated strictly: unknown
 fields, wrong types and unsupported values are a 400 naming the field), the nested error
-object, response and stream-chunk bodies, the chat template, and incremental detokenization
-with stop strings. Plain data and text: no jax, no HTTP framework.
+object, the mapping of a request onto SamplingParams. Response bodies: openai_response.py;
+the chat template: chat_template.py; incremental detokenization: textstream.py. Plain data
+and text: no jax, no HTTP framework.
 
 Field semantics follow the OpenAI API and vLLM's extensions where OpenAI has none
 (`top_k`, `min_p`, `min_tokens`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`,
@@ -20,8 +21,6 @@ import json
 import logging
 import re
 import secrets
-import time
-import uuid
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -29,6 +28,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hmoe_jax.io.generation_config import NO_DEFAULTS, GenerationDefaults
 from hmoe_jax.model.sampling import MAX_LOGPROBS, SamplingParams
+from hmoe_jax.serve.openai_response import (  # noqa: F401 (re-exported: P.ResponseBuilder, ...)
+    SSE_DONE,
+    ResponseBuilder,
+    new_id,
+    sse,
+    usage,
+)
 from hmoe_jax.serve.textstream import TextStream  # noqa: F401 (re-exported: P.TextStream)
 
 log = logging.getLogger(__name__)
@@ -494,104 +500,6 @@ def check_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> list[int
     return list(ids)
 
 
-# ---------------------------------------------------------------- responses
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-class ResponseBuilder:
-    """Bodies of one request's response, whole or as stream chunks. Its choices are
-    prompts x n: choice i answers prompt i // n (vLLM's order). Usage counts each prompt's
-    tokens once and every choice's completion tokens."""
-
-    def __init__(
-        self, model: str, *, chat: bool, prompts: Sequence[Sequence[int]], n: int = 1, return_token_ids: bool
-    ):
-        self.model, self.chat, self.n = model, chat, n
-        self.prompts = [list(p) for p in prompts]
-        self.prompt_tokens = sum(len(p) for p in self.prompts)
-        self.return_token_ids = return_token_ids
-        self.id = new_id("chatcmpl" if chat else "cmpl")
-        self.created = int(time.time())
-        self.object = "chat.completion" if chat else "text_completion"
-
-    def _head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-    def usage(self, completion_tokens: int) -> dict[str, int]:
-        return usage(self.prompt_tokens, completion_tokens)
-
-    def choice(
-        self,
-        index: int,
-        text: str,
-        token_ids: list[int],
-        finish_reason: str,
-        logprobs: Any = None,
-        message: dict[str, Any] | None = None,
-    ) -> dict[str, Any]:
-        """One choice of the whole response; `logprobs` already in its wire format; chat:
-        `message` (content / reasoning_content / tool_calls) replaces {"content": text}."""
-        out: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason}
-        if self.chat:
-            out["message"] = {"role": "assistant", **(message if message is not None else {"content": text})}
-        else:
-            out["text"] = text
-        if self.return_token_ids:
-            out["token_ids"] = list(token_ids)
-            if not self.chat:  # vLLM: each completions choice names its prompt's ids
-                out["prompt_token_ids"] = self.prompts[index // self.n]
-        return out
-
-    def full(self, choices: list[dict[str, Any]], completion_tokens: int) -> dict[str, Any]:
-        out = {**self._head(self.object), "choices": sorted(choices, key=lambda c: c["index"])}
-        out["usage"] = self.usage(completion_tokens)
-        if self.return_token_ids and len(self.prompts) == 1:
-            out["prompt_token_ids"] = self.prompts[0]
-        return out
-
-    def chunk(
-        self,
-        index: int,
-        text: str,
-        token_ids: list[int],
-        finish_reason: str | None,
-        *,
-        role: bool = False,
-        logprobs: Any = None,
-        usage_now: dict[str, int] | None = None,
-        with_usage: bool = False,
-        delta: dict[str, Any] | None = None,
-    ) -> dict[str, Any]:
-        """One stream chunk; chat: `delta` (reasoning_content / tool_calls) replaces {"content": text}."""
-        choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason}
-        if self.chat:
-            body = delta if delta is not None else {"content": text}
-            choice["delta"] = {"role": "assistant", **body} if role else body
-        else:
-            choice["text"] = text
-        if self.return_token_ids:
-            choice["token_ids"] = list(token_ids)
-        out = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
-        if with_usage:
-            out["usage"] = usage_now
-        return out
-
-    def usage_chunk(self, completion_tokens: int) -> dict[str, Any]:
-        head = self._head("chat.completion.chunk" if self.chat else "text_completion")
-        return {**head, "choices": [], "usage": self.usage(completion_tokens)}
-
-
 def __getattr__(name: str) -> Any:
     # ChatTemplate lives in chat_template.py (which imports this module); kept importable
     # from here for the callers that always did.
@@ -601,12 +509,6 @@ def __getattr__(name: str) -> Any:
         return getattr(chat_template, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-
-def sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
 
 __all__ = [
     "ApiError",
