@@ -402,7 +402,44 @@ class Scheduler(CoreRunner):
         finally:
             for s in seqs:
                 eng.cancel(s)
+        t0 = time.perf_counter()
+        out["prefill_prompts"] = self._warm_prefill()
+        out["prefill_s"] = time.perf_counter() - t0
         return out
+
+    def prefill_warm_lengths(self) -> list[int]:
+        """The prompt lengths whose prefill shapes warm_up compiles: every multiple of the
+        policy's chunk_tokens below its long_prompt_tokens (and within max_len), as the
+        policy runs them: chunk by chunk, the last chunk sampling the first token. The
+        programs compile per chunk length and per 64-token KV bucket (plan.buckets), so this
+        covers every full chunk a chunked prompt runs; a prompt's shorter last chunk still
+        compiles once per new length (each such shape, once compiled, is in the persistent
+        compilation cache, so a restarted server does not compile it again)."""
+        o = self.policy.options
+        chunk = int(o.get("chunk_tokens") or 0)
+        if chunk < 1:
+            return []
+        limit = min(int(o.get("long_prompt_tokens") or self.engine.max_len), self.engine.max_len - 1)
+        return [n for n in range(chunk, limit, chunk)]
+
+    def _warm_prefill(self) -> list[int]:
+        """Run each prefill_warm_lengths() prompt on a scratch pool row, in the policy's
+        chunks (cpu schedule), so no client's full chunk compiles."""
+        eng = self.engine
+        chunk = int(self.policy.options.get("chunk_tokens") or 0)
+        done = []
+        for n in self.prefill_warm_lengths():
+            if not eng.pool.free_rows:
+                break
+            seq = eng.admit([1] * n, SamplingParams(max_new_tokens=1, stop_ids=()))
+            try:
+                with span(self.trace, SCHED, "warm_up", prefill=n):
+                    while not eng.prefill_seq(seq, "cpu", int(seq.pos) + chunk):
+                        pass
+            finally:
+                eng.cancel(seq)  # a no-op once the first token ended it (its row is freed)
+            done.append(n)
+        return done
 
     def _arms_to_measure(self, batch: int) -> list[tuple[int, int]]:
         """The (batch, micro-batches) arms the policy would measure for `batch` decoding
