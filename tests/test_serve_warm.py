@@ -111,3 +111,42 @@ def test_pd_worker_first_request_after_restart_compiles_nothing(ckpt):
             assert out.finish_reason == "length" and len(out.tokens) == 5
             c1 = {role: pd.stats(role)["compiles"] for role in ("prefill", "decode")}
             assert c1 == c0, f"first request compiled in a worker (restart={restart}): {c0} -> {c1}"
+
+
+class _HeldBackend:
+    """A stub with the in-process scheduler's warm-up surface: warm_up waits for `go`."""
+
+    def __init__(self):
+        from tests.serve_stub import StubBackend
+
+        self.stub, self.go, self.warmed = StubBackend([7, 8]), threading.Event(), False
+        self.policy = type("P", (), {"options": {"decode_cap": 2}})()
+
+    def submit(self, prompt_ids, params=None):
+        return self.stub.submit(prompt_ids, params)
+
+    def run_exclusive(self, fn):
+        return fn()
+
+    def warm_up(self, cap):
+        assert self.go.wait(60)
+        self.warmed = True
+        return {"batches": cap, "arms": {}}
+
+
+def test_health_is_503_warming_until_warm_up_ends():
+    from tests.test_serve_http_app import app_for
+
+    backend = _HeldBackend()
+    c, state = app_for(backend)
+    assert c.get("/health").status_code == 200  # no warm-up started: live
+    t = start_warm_up(state, 512, 2)
+    for _ in range(3):  # held: stays warming however often it is asked
+        r = c.get("/health")
+        assert r.status_code == 503, r.text
+        body = r.json()
+        assert body["status"] == "warming" and body["error"]["code"] == "warming"
+    backend.go.set()
+    t.join(30)
+    assert backend.warmed and not state.warming
+    assert c.get("/health").status_code == 200

@@ -153,10 +153,13 @@ def warm_up(eng: Any, role: str) -> None:
             kvshm.import_prefix(eng.pool, seqs[0].row, meta)
         for s in seqs:
             s.pos, s.tokens = WARM_PROMPT_TOKENS, [1]
+        from hmoe_jax.serve.scheduler import decode_kv_buckets
+
         for b in range(1, min(len(seqs), eng.max_batch) + 1):
-            for s in seqs[:b]:
-                s.pos, s.tokens = WARM_PROMPT_TOKENS, [1]
-            eng.step(seqs[:b])
+            for kv in decode_kv_buckets(eng.max_len):  # attention compiles per KV prefix bucket
+                for s in seqs[:b]:
+                    s.pos, s.tokens = max(kv - 1, WARM_PROMPT_TOKENS), [1]
+                eng.step(seqs[:b])
     finally:
         for s in seqs:
             eng.cancel(s)

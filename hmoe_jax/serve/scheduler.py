@@ -40,6 +40,7 @@ from hmoe_jax.plan.trace import TraceRecorder
 from hmoe_jax.policies.base import Chunk, Decode, Policy, Prefill, View
 from hmoe_jax.policies.core import CoreRunner, RequestState, ServingCore
 from hmoe_jax.policies.registry import DEFAULT_POLICY, get_policy
+from hmoe_jax.runtime.run import decode_kv_len
 from hmoe_jax.serve.request import Request, RequestHandle, new_request
 from hmoe_jax.serve.servetrace import SCHED, CompileListener, span
 
@@ -378,10 +379,18 @@ class Scheduler(CoreRunner):
             for s in seqs:
                 s.tokens, s.pos = [1], pos
             t0 = time.perf_counter()
+            kv_buckets = decode_kv_buckets(eng.max_len)
             for b in range(1, cap + 1):
                 with span(self.trace, SCHED, "warm_up", batch=b):
                     self._run_step(seqs[:b], 1, False)
                     self._run_step(seqs[:b], 1, True)  # the traced (measured) plain arm
+                    # a decode step's attention compiles per batch and per KV prefix bucket
+                    # (runtime/run.py decode_kv_len): every bucket up to max_len, once
+                    for kv in kv_buckets:
+                        for s in seqs[:b]:
+                            s.tokens, s.pos = [1], kv - 1
+                        self._run_step(seqs[:b], 1, False)
+            out["kv_buckets"] = kv_buckets
             out["compile_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             arms = sorted({a for b in range(2, cap + 1) for a in self._arms_to_measure(b)})
@@ -488,6 +497,14 @@ class Scheduler(CoreRunner):
     def _fail_all(self, why: str) -> None:
         for e in list(self._entries.values()):
             self._error(e, RuntimeError(why))
+
+
+def decode_kv_buckets(max_len: int) -> list[int]:
+    """Every KV prefix length a decode step of a max_len row can read (decode_kv_len of
+    each position): powers of two from 64, capped at max_len."""
+    return sorted(
+        {decode_kv_len(t, max_len) for t in [1, max_len] + [1 << k for k in range(6, 31)] if t <= max_len}
+    )
 
 
 def _arm(batch: int, micro_batches: int) -> tuple[int, int]:
