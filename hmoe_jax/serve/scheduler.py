@@ -44,6 +44,8 @@ from hmoe_jax.runtime.run import decode_kv_len
 from hmoe_jax.serve.request import Request, RequestHandle, new_request
 from hmoe_jax.serve.servetrace import SCHED, CompileListener, span
 
+MAX_WARM_PREFILLS = 8  # prompt lengths warm_up prefills at most (prefill_warm_lengths)
+
 
 @dataclasses.dataclass
 class _Entry:
@@ -429,7 +431,9 @@ class Scheduler(CoreRunner):
         if chunk < 1:
             return []
         limit = min(int(o.get("long_prompt_tokens") or self.engine.max_len), self.engine.max_len - 1)
-        return [n for n in range(chunk, limit, chunk)]
+        # at most MAX_WARM_PREFILLS prompts: a policy with tiny chunks would otherwise warm
+        # hundreds (the paper policy's defaults need 3)
+        return list(range(chunk, limit, chunk))[:MAX_WARM_PREFILLS]
 
     def _warm_prefill(self) -> list[int]:
         """Run each prefill_warm_lengths() prompt on a scratch pool row, in the policy's
@@ -442,7 +446,7 @@ class Scheduler(CoreRunner):
                 break
             seq = eng.admit([1] * n, SamplingParams(max_new_tokens=1, stop_ids=()))
             try:
-                with span(self.trace, SCHED, "warm_up", prefill=n):
+                with span(self.trace, SCHED, "warm_up_prefill", tokens=n):
                     while not eng.prefill_seq(seq, "cpu", int(seq.pos) + chunk):
                         pass
             finally:
