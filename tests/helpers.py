@@ -109,7 +109,7 @@ class Server:
         return parse_metrics(httpx.get(f"{self.url}/metrics", timeout=30).text)
 
 
-def start_server(log: Path, *extra: str, timeout_s: float = 300, env: dict | None = None) -> Server:
+def start_server(log: Path, *extra: str, timeout_s: float = 600, env: dict | None = None) -> Server:
     cmd = [sys.executable, "-m", "hmoe_jax.cli", "serve", "--port", "0", "--quiet"]
     cmd += ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS)]
     # Greedy by default, as `solo` (the reference) is: the shipped model's generation_config.json
