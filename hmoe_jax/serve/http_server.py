@@ -6,9 +6,11 @@ or with --pd the P/D coordinator (a prefill and a decode worker process on one s
 copy of the weights), driven by the same policies: --policy (default fcfs there; one the
 workers cannot run, like paper, is refused with what it asks for) and --policy-option;
 --devices N gives each worker N/2 accelerators; --system and --expert-fn reach both
-workers' engines. The port is bound only once the model is loaded and warmed up, so a
-client that can connect can be served; the line `hmoe serve: listening on http://H:P` on
-stderr says so (with --port 0 it names the port the OS chose).
+workers' engines. The port is bound once the model is loaded; warm-up then runs on a
+background thread and /health answers 503 {"status": "warming"} until it is done (requests
+sent meanwhile queue behind it); the line `hmoe serve: listening on http://H:P` on stderr
+says the port is bound (with --port 0 it names the port the OS chose), `warmed up in S s`
+that it is ready. --compile-cache: the persistent compilation cache (configure_compile_cache).
 
 Shutdown: the first SIGINT / SIGTERM stops accepting connections, answers new requests on
 open connections with 503, lets every accepted request (streams included) finish for up to
