@@ -109,7 +109,7 @@ class Server:
         return parse_metrics(httpx.get(f"{self.url}/metrics", timeout=30).text)
 
 
-def start_server(log: Path, *extra: str, timeout_s: float = 300, env: dict | None = None) -> Server:
+def start_server(log: Path, *extra: str, timeout_s: float = 600, env: dict | None = None) -> Server:
     cmd = [sys.executable, "-m", "hmoe_jax.cli", "serve", "--port", "0", "--quiet"]
     cmd += ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS)]
     # Greedy by default, as `solo` (the reference) is: the shipped model's generation_config.json
@@ -126,6 +126,11 @@ def start_server(log: Path, *extra: str, timeout_s: float = 300, env: dict | Non
     while time.monotonic() < deadline:
         m = re.search(r"listening on (http://\S+)", log.read_text())
         if m:
+            # bound: warm-up still runs; /health answers 503 {"status": "warming"} until done
+            while httpx.get(f"{m.group(1)}/health", timeout=30).status_code != 200:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
             card = httpx.get(f"{m.group(1)}/v1/models", timeout=30).json()["data"][0]
             CHECKPOINT.setdefault("root", card["root"])  # the reference loads what the server serves
             return Server(m.group(1), proc, log)

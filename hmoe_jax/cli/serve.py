@@ -5,7 +5,7 @@
              [--policy-option KEY=VALUE ...] [--served-model-name NAME] [--max-model-len N]
              [--max-num-seqs N] [--max-in-flight N] [--devices N] [--precision bf16|f32] [--pd]
              [--api-key KEY] [--max-request-bytes N] [--upload-timeout-s S] [--allowed-hosts H,...] [--allowed-origins O,...]
-             [--generation-config auto|none|DIR] [--reasoning-parser deepseek_r1]
+             [--generation-config auto|none|DIR] [--reasoning-parser deepseek_r1] [--compile-cache DIR|none]
   hmoe bench serve --url URL (--scenario NAME | --dataset FILE) [--endpoint completions|chat]
              [--request-rate R] [--burstiness G] [--max-concurrency C]
              [--goodput ttft:MS tpot:MS e2el:MS] [--result-file FILE]
@@ -20,9 +20,13 @@ from typing import Any
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from hmoe_jax.cli.run import build_run
-    from hmoe_jax.serve.http_server import serve
+    import time
 
+    from hmoe_jax.cli.run import build_run
+    from hmoe_jax.serve.http_server import configure_compile_cache, serve
+
+    args.t_start_s = time.perf_counter()
+    configure_compile_cache(args.compile_cache)  # before anything compiles
     return serve(args, build_run(args))
 
 
@@ -127,7 +131,15 @@ def add_serve_parsers(sub: Any) -> None:
     s.add_argument(
         "--no-warmup",
         action="store_true",
-        help="do not warm up (one request, every decode batch size compiled) before binding the port",
+        help="do not warm up (every decode batch size and full prefill chunk compiled, one request; "
+        "/health answers 503 until done)",
+    )
+    s.add_argument(
+        "--compile-cache",
+        default=None,
+        metavar="DIR|none",
+        help="JAX persistent compilation cache: a restart loads the compiled programs instead of "
+        "compiling them (default: $HMOE_CACHE/xla or ~/.cache/hmoe-jax/xla; none: off)",
     )
     s.add_argument(
         "--trace",

@@ -302,6 +302,10 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        if getattr(state, "warming", False):  # bound, still compiling (http_server.serve)
+            msg = "the server is warming up (compiling its shapes); retry shortly"
+            err = {"message": msg, "type": "service_unavailable", "param": None, "code": "warming"}
+            return JSONResponse({"status": "warming", "error": err}, status_code=503)
         if state.healthy():
             return Response(status_code=200)
         return _error_response(P.ApiError(503, "a backend worker is not live", type="service_unavailable"))

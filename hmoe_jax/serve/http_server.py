@@ -6,9 +6,11 @@ or with --pd the P/D coordinator (a prefill and a decode worker process on one s
 copy of the weights), driven by the same policies: --policy (default fcfs there; one the
 workers cannot run, like paper, is refused with what it asks for) and --policy-option;
 --devices N gives each worker N/2 accelerators; --system and --expert-fn reach both
-workers' engines. The port is bound only once the model is loaded and warmed up, so a
-client that can connect can be served; the line `hmoe serve: listening on http://H:P` on
-stderr says so (with --port 0 it names the port the OS chose).
+workers' engines. The port is bound once the model is loaded; warm-up then runs on a
+background thread and /health answers 503 {"status": "warming"} until it is done (requests
+sent meanwhile queue behind it); the line `hmoe serve: listening on http://H:P` on stderr
+says the port is bound (with --port 0 it names the port the OS chose), `warmed up in S s`
+that it is ready. --compile-cache: the persistent compilation cache (configure_compile_cache).
 
 Shutdown: the first SIGINT / SIGTERM stops accepting connections, answers new requests on
 open connections with 503, lets every accepted request (streams included) finish for up to
@@ -26,6 +28,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -292,6 +295,67 @@ def log_to_stderr(level: str) -> None:
     root.setLevel(level.upper())
 
 
+def start_warm_up(
+    state: ServerState, vocab_size: int, max_batch: int | None, *, t_start_s: float | None = None
+) -> threading.Thread:
+    """Warm up on a background thread while the port is already bound: /health answers 503
+    {"status": "warming"} until it is done, then 200 (a load balancer or a client waits for
+    that); requests that arrive meanwhile queue behind it. Logs the warm-up time (and, given
+    t_start_s on the perf_counter clock, the time since the process started)."""
+    state.warming = True
+
+    def work() -> None:
+        try:
+            secs = warm_up(state.backend, vocab_size, max_batch)
+        except BaseException as ex:  # noqa: BLE001 (serve anyway: the first requests compile)
+            print(f"hmoe serve: warm-up failed: {type(ex).__name__}: {ex}", file=sys.stderr, flush=True)
+            state.warming = False
+            return
+        state.warming = False
+        info = getattr(state.backend, "warm_up_info", None) or {}
+        arms = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in info.get("arms", {}).items())
+        detail = ""
+        if info:
+            detail = f" (decode batch 1..{info['batches']} compiled; arms {arms or 'none measured'}"
+            if info.get("prefill_prompts"):
+                detail += f"; prefill prompts {info['prefill_prompts']} chunk by chunk"
+            detail += ")"
+        since = f"; ready {time.perf_counter() - t_start_s:.1f} s after start" if t_start_s else ""
+        print(f"hmoe serve: warmed up in {secs:.1f} s{detail}{since}", file=sys.stderr, flush=True)
+
+    t = threading.Thread(target=work, name="hmoe-warm-up", daemon=True)
+    t.start()
+    return t
+
+
+def configure_compile_cache(value: str | None) -> str | None:
+    """--compile-cache: the JAX persistent compilation cache directory (default
+    <hmoe cache>/xla, as `hmoe generate` uses; 'none' disables it). Every compiled program
+    is kept, small CPU ones included (the thresholds are lowered to zero), so a restarted
+    server, and its P/D workers (they inherit the setting through the environment), load
+    them instead of compiling. Returns the directory in use (None: disabled)."""
+    import jax
+
+    from hmoe_jax.io.cache import cache_root
+
+    if value is not None and value.strip().lower() == "none":
+        jax.config.update("jax_enable_compilation_cache", False)
+        os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+        os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+        return None
+    path = str(Path(value).expanduser()) if value else str(cache_root() / "xla")
+    settings = {
+        "jax_enable_compilation_cache": True,
+        "jax_compilation_cache_dir": path,
+        "jax_persistent_cache_min_compile_time_secs": 0.0,
+        "jax_persistent_cache_min_entry_size_bytes": -1,
+    }
+    for k, v in settings.items():
+        jax.config.update(k, v)
+        os.environ[k.upper()] = str(v).lower() if isinstance(v, bool) else str(v)
+    return path
+
+
 def serve(args: argparse.Namespace, run: Any) -> int:
     """`hmoe serve` for parsed args and the cli.Run of the model: until a signal, then 0."""
     from hmoe_jax.io.errors import InputError
@@ -305,6 +369,7 @@ def serve(args: argparse.Namespace, run: Any) -> int:
     # rather than 5 ms, so a token waits less between being produced and being sent.
     sys.setswitchinterval(0.001)
     state, close = build_state(args, run)
+    t_start_s = getattr(args, "t_start_s", None)
     if state.opt.allowed_hosts is None and args.allowed_hosts is None and not args.quiet:
         print(
             f"hmoe serve: bound to {args.host}, every Host header is answered; "
@@ -314,20 +379,7 @@ def serve(args: argparse.Namespace, run: Any) -> int:
         )
     try:
         if not args.no_warmup:
-            secs = warm_up(state.backend, run.cfg.vocab_size, args.max_num_seqs)
-            if not args.quiet:
-                info = getattr(state.backend, "warm_up_info", None) or {}
-                arms = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in info.get("arms", {}).items())
-                print(
-                    f"hmoe serve: warmed up in {secs:.1f} s"
-                    + (
-                        f" (decode batch 1..{info['batches']} compiled; arms {arms or 'none measured'})"
-                        if info
-                        else ""
-                    ),
-                    file=sys.stderr,
-                    flush=True,
-                )
+            start_warm_up(state, run.cfg.vocab_size, args.max_num_seqs, t_start_s=t_start_s)
         config = uvicorn.Config(
             create_app(state),
             host=args.host,
@@ -350,4 +402,12 @@ def serve(args: argparse.Namespace, run: Any) -> int:
     return 0
 
 
-__all__ = ["build_state", "guard_options", "log_to_stderr", "serve", "warm_up"]
+__all__ = [
+    "build_state",
+    "configure_compile_cache",
+    "guard_options",
+    "log_to_stderr",
+    "serve",
+    "start_warm_up",
+    "warm_up",
+]

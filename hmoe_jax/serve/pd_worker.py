@@ -92,7 +92,15 @@ def main(spec: WorkerSpec, conn: Any) -> None:
 
         cfg, params = load_arena(spec.arena, progress=False)
         eng = Engine(params, cfg, devices=spec.devices, **spec.engine)
+        global _COMPILES
+        from hmoe_jax.serve.servetrace import CompileListener
+
+        _COMPILES = CompileListener().install()
+        t_warm = time.perf_counter()
+        warm_up(eng, spec.role)
         info = {
+            "warm_up_s": time.perf_counter() - t_warm,
+            "warm_up_compiles": _COMPILES.compiles,
             "role": spec.role,
             "pid": os.getpid(),
             "devices": [str(d) for d in eng.placement.accelerators],
@@ -112,8 +120,55 @@ def main(spec: WorkerSpec, conn: Any) -> None:
         pass
 
 
+_COMPILES: Any = None  # this worker's CompileListener (backend compiles since it started)
+
+# The prompt length of the server's warm-up request (http_server.warm_up): its prefill shape
+WARM_PROMPT_TOKENS = 8
+
+
+def warm_up(eng: Any, role: str) -> None:
+    """Before the worker says it is ready (at start and after a restart): compile what its
+    role runs for the first request, so no client waits for it. Prefill: a short prompt's
+    prefill, first token and KV export. Decode: the KV import of that prefix, then the decode
+    step of every batch size 1..max_batch on scratch rows. With the persistent compilation
+    cache (hmoe serve --compile-cache, inherited through the environment) a restarted worker
+    loads these programs instead of compiling them."""
+    from hmoe_jax.model.sampling import SamplingParams
+    from hmoe_jax.serve import kvshm
+
+    params = SamplingParams(max_new_tokens=eng.max_len - WARM_PROMPT_TOKENS, stop_ids=())
+    name = kvshm.segment_name(f"warm{os.getpid()}", 0)
+    if role == "prefill":
+        seq = eng.start([1] * WARM_PROMPT_TOKENS, params)
+        try:
+            kvshm.export_prefix(eng.pool, seq.row, seq.prompt.size, name)
+        finally:
+            eng.cancel(seq)
+            kvshm.discard(name)
+        return
+    seqs = [eng.admit([1] * WARM_PROMPT_TOKENS, params) for _ in range(len(eng.pool.free_rows))]
+    try:
+        if seqs:  # the adopt path: a prefix exported and imported (as a handover does)
+            meta = kvshm.export_prefix(eng.pool, seqs[0].row, WARM_PROMPT_TOKENS, name)
+            kvshm.import_prefix(eng.pool, seqs[0].row, meta)
+        for s in seqs:
+            s.pos, s.tokens = WARM_PROMPT_TOKENS, [1]
+        from hmoe_jax.serve.scheduler import decode_kv_buckets
+
+        for b in range(1, min(len(seqs), eng.max_batch) + 1):
+            for kv in decode_kv_buckets(eng.max_len):  # attention compiles per KV prefix bucket
+                for s in seqs[:b]:
+                    s.pos, s.tokens = max(kv - 1, WARM_PROMPT_TOKENS), [1]
+                eng.step(seqs[:b])
+    finally:
+        for s in seqs:
+            eng.cancel(s)
+        kvshm.discard(name)
+
+
 def _stats(eng: Any) -> dict[str, Any]:
-    return {"free_rows": len(eng.pool.free_rows), "rows": eng.pool.rows, "pid": os.getpid()}
+    compiles = _COMPILES.compiles if _COMPILES is not None else None
+    return {"free_rows": len(eng.pool.free_rows), "rows": eng.pool.rows, "pid": os.getpid(), "compiles": compiles}
 
 
 def _err(ex: BaseException) -> str:

@@ -40,8 +40,11 @@ from hmoe_jax.plan.trace import TraceRecorder
 from hmoe_jax.policies.base import Chunk, Decode, Policy, Prefill, View
 from hmoe_jax.policies.core import CoreRunner, RequestState, ServingCore
 from hmoe_jax.policies.registry import DEFAULT_POLICY, get_policy
+from hmoe_jax.runtime.run import decode_kv_len
 from hmoe_jax.serve.request import Request, RequestHandle, new_request
 from hmoe_jax.serve.servetrace import SCHED, CompileListener, span
+
+MAX_WARM_PREFILLS = 8  # prompt lengths warm_up prefills at most (prefill_warm_lengths)
 
 
 @dataclasses.dataclass
@@ -389,10 +392,18 @@ class Scheduler(CoreRunner):
             for s in seqs:
                 s.tokens, s.pos = [1], pos
             t0 = time.perf_counter()
+            kv_buckets = decode_kv_buckets(eng.max_len)
             for b in range(1, cap + 1):
                 with span(self.trace, SCHED, "warm_up", batch=b):
                     self._run_step(seqs[:b], 1, False)
                     self._run_step(seqs[:b], 1, True)  # the traced (measured) plain arm
+                    # a decode step's attention compiles per batch and per KV prefix bucket
+                    # (runtime/run.py decode_kv_len): every bucket up to max_len, once
+                    for kv in kv_buckets:
+                        for s in seqs[:b]:
+                            s.tokens, s.pos = [1], kv - 1
+                        self._run_step(seqs[:b], 1, False)
+            out["kv_buckets"] = kv_buckets
             out["compile_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             arms = sorted({a for b in range(2, cap + 1) for a in self._arms_to_measure(b)})
@@ -413,7 +424,46 @@ class Scheduler(CoreRunner):
         finally:
             for s in seqs:
                 eng.cancel(s)
+        t0 = time.perf_counter()
+        out["prefill_prompts"] = self._warm_prefill()
+        out["prefill_s"] = time.perf_counter() - t0
         return out
+
+    def prefill_warm_lengths(self) -> list[int]:
+        """The prompt lengths whose prefill shapes warm_up compiles: every multiple of the
+        policy's chunk_tokens below its long_prompt_tokens (and within max_len), as the
+        policy runs them: chunk by chunk, the last chunk sampling the first token. The
+        programs compile per chunk length and per 64-token KV bucket (plan.buckets), so this
+        covers every full chunk a chunked prompt runs; a prompt's shorter last chunk still
+        compiles once per new length (each such shape, once compiled, is in the persistent
+        compilation cache, so a restarted server does not compile it again)."""
+        o = self.policy.options
+        chunk = int(o.get("chunk_tokens") or 0)
+        if chunk < 1:
+            return []
+        limit = min(int(o.get("long_prompt_tokens") or self.engine.max_len), self.engine.max_len - 1)
+        # at most MAX_WARM_PREFILLS prompts: a policy with tiny chunks would otherwise warm
+        # hundreds (the paper policy's defaults need 3)
+        return list(range(chunk, limit, chunk))[:MAX_WARM_PREFILLS]
+
+    def _warm_prefill(self) -> list[int]:
+        """Run each prefill_warm_lengths() prompt on a scratch pool row, in the policy's
+        chunks (cpu schedule), so no client's full chunk compiles."""
+        eng = self.engine
+        chunk = int(self.policy.options.get("chunk_tokens") or 0)
+        done = []
+        for n in self.prefill_warm_lengths():
+            if not eng.pool.free_rows:
+                break
+            seq = eng.admit([1] * n, SamplingParams(max_new_tokens=1, stop_ids=()))
+            try:
+                with span(self.trace, SCHED, "warm_up_prefill", tokens=n):
+                    while not eng.prefill_seq(seq, "cpu", int(seq.pos) + chunk):
+                        pass
+            finally:
+                eng.cancel(seq)  # a no-op once the first token ended it (its row is freed)
+            done.append(n)
+        return done
 
     def _arms_to_measure(self, batch: int) -> list[tuple[int, int]]:
         """The (batch, micro-batches) arms the policy would measure for `batch` decoding
@@ -462,6 +512,14 @@ class Scheduler(CoreRunner):
     def _fail_all(self, why: str) -> None:
         for e in list(self._entries.values()):
             self._error(e, RuntimeError(why))
+
+
+def decode_kv_buckets(max_len: int) -> list[int]:
+    """Every KV prefix length a decode step of a max_len row can read (decode_kv_len of
+    each position): powers of two from 64, capped at max_len."""
+    return sorted(
+        {decode_kv_len(t, max_len) for t in [1, max_len] + [1 << k for k in range(6, 31)] if t <= max_len}
+    )
 
 
 def _arm(batch: int, micro_batches: int) -> tuple[int, int]:
