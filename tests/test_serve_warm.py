@@ -135,7 +135,7 @@ class _HeldBackend:
 
 
 def test_health_is_503_warming_until_warm_up_ends():
-    from tests.test_serve_http_app import app_for
+    from tests.serve_stub import app_for
 
     backend = _HeldBackend()
     c, state = app_for(backend)
