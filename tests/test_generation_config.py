@@ -39,7 +39,9 @@ GEN = {
     "top_k": 7,
     "max_new_tokens": 3,
     "do_sample": True,
-    "repetition_penalty": 1.1,  # unsupported: ignored, and said so
+    "repetition_penalty": 1.1,
+    "min_p": 0.05,
+    "length_penalty": 1.5,  # unsupported (beam search): ignored, and said so
     "bos_token_id": 0,  # metadata: neither applied nor reported
     "transformers_version": "4.46.3",
 }
@@ -71,9 +73,14 @@ def test_parse_applies_the_sampling_keys_and_names_the_ignored_ones(ckpt):
     _write(ckpt, GEN)
     d = load_generation_config(ckpt, "auto")
     assert (d.temperature, d.top_p, d.top_k, d.max_new_tokens) == (0.6, 0.95, 7, 3)
-    assert d.ignored == ("repetition_penalty",)
+    assert (d.repetition_penalty, d.min_p, d.presence_penalty, d.frequency_penalty) == (1.1, 0.05, None, None)
+    assert d.ignored == ("length_penalty",)
     assert d.source == ckpt / "generation_config.json"
-    assert "repetition_penalty" in d.describe() and "temperature=0.6" in d.describe()
+    assert "ignored (unsupported): length_penalty" in d.describe() and "temperature=0.6" in d.describe()
+    assert "repetition_penalty=1.1" in d.describe() and "min_p=0.05" in d.describe()
+    _write(ckpt, {"presence_penalty": -0.5, "frequency_penalty": 2})
+    d = load_generation_config(ckpt, "auto")
+    assert (d.presence_penalty, d.frequency_penalty, d.repetition_penalty, d.min_p) == (-0.5, 2.0, None, None)
     assert load_generation_config(ckpt, "none") == NO_DEFAULTS
     assert load_generation_config(ckpt, None) == NO_DEFAULTS
 
@@ -107,6 +114,10 @@ def test_do_sample_false_is_greedy_and_a_missing_file_is_no_defaults(ckpt, tmp_p
         ({"top_k": 2.5}, r"generation_config.json: 'top_k' must be an integer, got 2.5"),
         ({"max_new_tokens": 0}, r"'max_new_tokens' must be >= 1, got 0"),
         ({"do_sample": "yes"}, r"'do_sample' must be true or false, got 'yes'"),
+        ({"repetition_penalty": 0}, r"generation_config.json: 'repetition_penalty' must be > 0, got 0.0"),
+        ({"min_p": 1.5}, r"'min_p' must be in \[0, 1\], got 1.5"),
+        ({"presence_penalty": 3}, r"'presence_penalty' must be in \[-2, 2\], got 3.0"),
+        ({"frequency_penalty": "1"}, r"'frequency_penalty' must be a finite number, got '1'"),
     ],
 )
 def test_a_malformed_file_names_the_file_and_key(ckpt, body, pattern):
@@ -131,10 +142,12 @@ def test_generate_flags_win_over_the_file_and_none_restores_the_builtins(ckpt):
     )
     p = _params([], d)
     assert (p.temperature, p.top_p, p.top_k, p.max_new_tokens) == (0.6, 0.95, 7, 3)
+    assert (p.repetition_penalty, p.min_p, p.presence_penalty, p.frequency_penalty) == (1.1, 0.05, 0.0, 0.0)
     p = _params(["--temperature", "0", "--top-p", "0.5", "--top-k", "0", "--max-new-tokens", "5"], d)
     assert (p.temperature, p.top_p, p.top_k, p.max_new_tokens) == (0.0, 0.5, 0, 5)
     p = _params([], load_generation_config(ckpt, "none"))
     assert (p.temperature, p.top_p, p.top_k, p.max_new_tokens) == (0.0, 1.0, 0, 32)
+    assert (p.repetition_penalty, p.min_p) == (1.0, 0.0)
     # the file's max_new_tokens is cut to the room the context leaves (16 - 14 = 2)
     assert _params([], dataclasses.replace(d, max_new_tokens=50), n_prompt=14).max_new_tokens == 2
 
@@ -147,7 +160,7 @@ def test_generate_end_to_end_reports_the_files_defaults(ckpt, capsys):
     cap = capsys.readouterr()
     rec = json.loads(cap.out.strip().splitlines()[-1])
     assert (rec["temperature"], rec["top_p"], rec["top_k"], len(rec["tokens"])) == (0.6, 0.95, 7, 3)
-    assert "ignored (unsupported): repetition_penalty" in cap.err and "generation_config.json" in cap.err
+    assert "ignored (unsupported): length_penalty" in cap.err and "repetition_penalty=1.1" in cap.err and "generation_config.json" in cap.err
     assert main([*base, "--quiet", "--generation-config", "none", "--max-new-tokens", "2"]) == 0
     rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (rec["temperature"], rec["top_p"], rec["top_k"], len(rec["tokens"])) == (0.0, 1.0, 0, 2)
@@ -212,6 +225,15 @@ def test_serve_requests_take_the_files_defaults_and_their_own_fields_win(ckpt):
     d = load_generation_config(ckpt, "auto")
     p, _ = _serve_params(d, {})
     assert (p.temperature, p.top_p, p.top_k) == (0.6, 0.95, 7)
+    assert (p.repetition_penalty, p.min_p, p.presence_penalty, p.frequency_penalty) == (1.1, 0.05, 0.0, 0.0)
+    own = {"repetition_penalty": 1.3, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.5}
+    p, _ = _serve_params(d, own, chat=True)  # a request's own value wins, 0 included
+    assert (p.repetition_penalty, p.min_p, p.presence_penalty, p.frequency_penalty) == (1.3, 0.0, 0.0, 0.5)
+    pf = dataclasses.replace(d, presence_penalty=-0.5, frequency_penalty=1.5)
+    p, _ = _serve_params(pf, {})
+    assert (p.presence_penalty, p.frequency_penalty) == (-0.5, 1.5)
+    p, _ = _serve_params(pf, {"presence_penalty": 0, "frequency_penalty": 0})
+    assert (p.presence_penalty, p.frequency_penalty) == (0.0, 0.0)
     p, n_prompt = _serve_params(d, {}, chat=True)  # 500 is cut to the rest of the 128-token context
     assert p.max_new_tokens == 128 - n_prompt
     p, _ = _serve_params(d, {"temperature": 0, "top_p": 0.5, "top_k": -1, "max_tokens": 4})
@@ -219,6 +241,7 @@ def test_serve_requests_take_the_files_defaults_and_their_own_fields_win(ckpt):
     # none: OpenAI's defaults (temperature 1, top_p 1, completions 16, chat the rest of the context)
     p, _ = _serve_params(NO_DEFAULTS, {})
     assert (p.temperature, p.top_p, p.top_k, p.max_new_tokens) == (1.0, 1.0, 0, 16)
+    assert (p.repetition_penalty, p.min_p, p.presence_penalty, p.frequency_penalty) == (1.0, 0.0, 0.0, 0.0)
     p, n_prompt = _serve_params(NO_DEFAULTS, {}, chat=True)
     assert p.max_new_tokens == 128 - n_prompt
     d3 = load_generation_config(ckpt, "auto")

@@ -1,7 +1,8 @@
 """Intra-node P/D disaggregation (hmoe_jax/serve/pd.py): two worker processes on their own
 stand-in accelerators share ONE host copy of the weights (PSS of the arena mapping), hand
 a prefilled KV cache over through shared memory and continue with exactly the tokens of a
-solo in-process run; a killed decode worker is reported within 2 s and restarted; a cancel
+solo in-process run (logprobs and prompt logprobs too, against the in-process scheduler's);
+a killed decode worker is reported within 2 s and restarted; a cancel
 at any stage leaves no KV row or shm segment behind."""
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from hmoe_jax.serve.request import RequestError
 MAX_LEN = 256
 PROMPTS = [[5, 17, 2, 99, 41, 8, 63, 12, 7], [101, 3, 55, 9], list(range(30, 70))]
 NEW = [10, 14, 6]
+# The exact policy: f32 and the jnp host experts (the FFI op rounds activations to bf16, which
+# turns the ~1e-6 differences of differently batched programs into ~1e-3 logprob ones).
+ENGINE = {"precision": "f32", "expert_fn": "ref"}
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +40,7 @@ def ckpt():
 def solo(ckpt):
     """Each prompt alone, greedy, in this process (f32: the exact policy)."""
     cfg, params = load_checkpoint(ckpt, progress=False)
-    eng = Engine(params, cfg, devices=1, precision="f32", max_len=MAX_LEN, max_batch=1)
+    eng = Engine(params, cfg, devices=1, max_len=MAX_LEN, max_batch=1, **ENGINE)
     out = [eng.generate(p, n, stop_ids=()).tokens for p, n in zip(PROMPTS, NEW)]
     eng.close()
     return out
@@ -44,7 +48,7 @@ def solo(ckpt):
 
 @pytest.fixture(scope="module")
 def pd(ckpt):
-    c = PDCoordinator(ckpt, engine={"precision": "f32", "max_len": MAX_LEN}, touch_weights=True)
+    c = PDCoordinator(ckpt, engine={**ENGINE, "max_len": MAX_LEN}, touch_weights=True)
     c.wait_ready(300)
     yield c
     c.close()
@@ -154,12 +158,55 @@ def _metrics_app(pd: PDCoordinator):
 def test_bad_requests_are_refused_at_submit(pd):
     with pytest.raises(ValueError, match="out of range"):
         pd.submit([pd.cfg.vocab_size + 5], _greedy(2))
-    # the workers' pipe carries token ids only: logprobs are refused, not silently dropped
-    for lp in (dict(logprobs=2), dict(prompt_logprobs=0)):
-        with pytest.raises(ValueError, match="logprobs are not supported with --pd yet"):
-            pd.submit([5, 17, 2], SamplingParams(max_new_tokens=2, **lp))
     with pytest.raises(ValueError, match="logit_bias: token id"):
         pd.submit([5, 17, 2], SamplingParams(max_new_tokens=2, logit_bias=((pd.cfg.vocab_size, 1.0),)))
     with pytest.raises(ValueError, match="KV row length"):
         pd.submit(list(np.arange(200) % 50), _greedy(100))
     assert pd.healthy
+
+
+ATOL = 1e-4  # tests/test_sampling_processors.py's: f32 log-softmax in different processes
+
+
+@pytest.mark.slow  # ~70 s on 2 cores: the in-process scheduler's compiles
+def test_logprobs_cross_the_pipe_equal_to_the_in_process_scheduler(pd, ckpt):
+    """The prefill worker's first-token and prompt logprobs and the decode worker's per-step
+    ones arrive on the request as the in-process scheduler puts them there (same greedy
+    request, same engine options; only the processes differ). max_new_tokens=1 ends at the
+    prefill worker (no handover); a penalised request's logprobs stay the raw model's."""
+    from hmoe_jax.serve.scheduler import Scheduler
+
+    cases = [
+        (PROMPTS[0], SamplingParams(max_new_tokens=6, stop_ids=(), logprobs=3, prompt_logprobs=2)),
+        (PROMPTS[1], SamplingParams(max_new_tokens=1, stop_ids=(), logprobs=0, prompt_logprobs=0)),
+        (PROMPTS[1], SamplingParams(max_new_tokens=5, stop_ids=(), logprobs=1, repetition_penalty=1.5)),
+        (PROMPTS[0], _greedy(3)),  # asked for none: gets none
+    ]
+    got = [h.result(300) for h in [pd.submit(p, sp) for p, sp in cases]]
+    cfg, params = load_checkpoint(ckpt, progress=False)
+    eng = Engine(params, cfg, devices=1, max_len=MAX_LEN, max_batch=4, **ENGINE)
+    sched = Scheduler(eng)
+    handles = [sched.submit(p, sp) for p, sp in cases]
+    sched.drain(300)
+    want = [h.result(1) for h in handles]
+    eng.close()
+    for (prompt, sp), r, w in zip(cases, got, want):
+        assert r.finish_reason == w.finish_reason == "length", r.error
+        assert r.tokens == w.tokens
+        assert [e.token for e in r.logprobs] == ([] if sp.logprobs is None else r.tokens)
+        assert [e.token for e in r.logprobs] == [e.token for e in w.logprobs]
+        np.testing.assert_allclose(
+            [e.logprob for e in r.logprobs], [e.logprob for e in w.logprobs], atol=ATOL
+        )
+        for a, b in zip(r.logprobs, w.logprobs):
+            assert len(a.top) == len(b.top) == sp.logprobs
+            np.testing.assert_allclose([x for _, x in a.top], [x for _, x in b.top], atol=ATOL)
+        if sp.prompt_logprobs is None:
+            assert r.prompt_logprobs is None
+            continue
+        assert len(r.prompt_logprobs) == len(prompt) and r.prompt_logprobs[0] is None
+        assert [e.token for e in r.prompt_logprobs[1:]] == prompt[1:]
+        np.testing.assert_allclose(
+            [e.logprob for e in r.prompt_logprobs[1:]], [e.logprob for e in w.prompt_logprobs[1:]], atol=ATOL
+        )
+    _no_orphans(pd)

@@ -74,7 +74,8 @@ def sampling_params(
 ) -> Any:
     """The request's SamplingParams (InputError if bad). A flag that is given wins; else the
     checkpoint's generation_config.json default (`defaults`, io/generation_config.py); else
-    the builtin default (greedy, top_p 1, top_k off, DEFAULT_MAX_NEW_TOKENS). A
+    the builtin default (greedy, top_p 1, top_k off, DEFAULT_MAX_NEW_TOKENS; the file's
+    repetition_penalty / min_p / presence / frequency penalties have no flag). A
     max_new_tokens from generation_config.json is cut to the room the context leaves after
     the prompt (vLLM's rule), as an explicit --max-new-tokens is not: that one errors."""
     from hmoe_jax.io.generation_config import NO_DEFAULTS
@@ -96,6 +97,11 @@ def sampling_params(
         seed=int(args.seed),
         max_new_tokens=int(max_new if max_new is not None else DEFAULT_MAX_NEW_TOKENS),
         stop_ids=() if args.ignore_eos else None,
+        # no flags for these: the file's value, else the builtin (off)
+        repetition_penalty=float(pick(None, d.repetition_penalty, 1.0)),
+        min_p=float(pick(None, d.min_p, 0.0)),
+        presence_penalty=float(pick(None, d.presence_penalty, 0.0)),
+        frequency_penalty=float(pick(None, d.frequency_penalty, 0.0)),
     )
     try:
         return sampling.validate()

@@ -6,7 +6,8 @@ vLLM's `--generation-config auto` (its default) reads it.
 (it must exist), none reads nothing (the builtin defaults). The values are defaults only: a
 CLI flag or a request field that is given wins.
 
-Keys used: temperature, top_p, top_k, max_new_tokens, do_sample. do_sample = false (given
+Keys used: temperature, top_p, top_k, max_new_tokens, do_sample, and (as vLLM also takes them)
+repetition_penalty, min_p, presence_penalty, frequency_penalty. do_sample = false (given
 explicitly) means greedy, as HF's generate() does: temperature 0. When do_sample is absent
 the temperature is used as written (vLLM ignores do_sample). Every other key is ignored and
 named in `ignored` (the commands print it on stderr), except metadata that carries no
@@ -38,6 +39,10 @@ class GenerationDefaults:
     top_p: float | None = None
     top_k: int | None = None
     max_new_tokens: int | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     source: Path | None = None  # the file read, None: nothing read
     ignored: tuple[str, ...] = ()  # keys present but not applied
 
@@ -50,6 +55,10 @@ class GenerationDefaults:
                 ("top_p", self.top_p),
                 ("top_k", self.top_k),
                 ("max_new_tokens", self.max_new_tokens),
+                ("repetition_penalty", self.repetition_penalty),
+                ("min_p", self.min_p),
+                ("presence_penalty", self.presence_penalty),
+                ("frequency_penalty", self.frequency_penalty),
             )
             if v is not None
         }
@@ -106,9 +115,33 @@ def parse_generation_config(path: Path, raw: Any) -> GenerationDefaults:
             temperature = 0.0  # HF: do_sample=false is greedy whatever the temperature says
         elif temperature is None:
             temperature = 1.0  # HF's default temperature when sampling
-    used = {"temperature", "top_p", "top_k", "max_new_tokens", "do_sample"}
+    penalties = _penalties(path, got)
+    used = {"temperature", "top_p", "top_k", "max_new_tokens", "do_sample", *_PENALTY_RANGES}
     ignored = tuple(sorted(k for k in got if k not in used and k not in _METADATA))
-    return GenerationDefaults(temperature, top_p, top_k, max_new, source=path, ignored=ignored)
+    return GenerationDefaults(temperature, top_p, top_k, max_new, **penalties, source=path, ignored=ignored)
+
+
+# The processor defaults vLLM also reads from the file, with the ranges its request fields
+# allow (OpenAI's [-2, 2] for presence / frequency; HF's > 0 for the repetition penalty).
+_PENALTY_RANGES = {
+    "repetition_penalty": (lambda x: x > 0, "> 0"),
+    "min_p": (lambda x: 0 <= x <= 1, "in [0, 1]"),
+    "presence_penalty": (lambda x: -2 <= x <= 2, "in [-2, 2]"),
+    "frequency_penalty": (lambda x: -2 <= x <= 2, "in [-2, 2]"),
+}
+
+
+def _penalties(path: Path, got: dict[str, Any]) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for key, (ok, words) in _PENALTY_RANGES.items():
+        if key not in got:
+            out[key] = None
+            continue
+        value = _number(path, key, got[key])
+        if not ok(value):
+            raise CheckpointError(f"{path}: {key!r} must be {words}, got {value}")
+        out[key] = value
+    return out
 
 
 def load_generation_config(checkpoint: str | Path, mode: str | Path | None) -> GenerationDefaults:

@@ -109,8 +109,8 @@ class _SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)  # vLLM: eos / stop ids masked until this many tokens
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)  # None: generation_config's, else 0
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)  # vLLM (HF's)
     logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias
     response_format: ResponseFormat | None = None
@@ -364,11 +364,11 @@ def sampling_params(
         seed=0,
         max_new_tokens=int(max_new_tokens),
         stop_ids=stop_ids,
-        presence_penalty=float(req.presence_penalty),
-        frequency_penalty=float(req.frequency_penalty),
-        repetition_penalty=float(_pick(req.repetition_penalty, None, 1.0)),
+        presence_penalty=float(_pick(req.presence_penalty, defaults.presence_penalty, 0.0)),
+        frequency_penalty=float(_pick(req.frequency_penalty, defaults.frequency_penalty, 0.0)),
+        repetition_penalty=float(_pick(req.repetition_penalty, defaults.repetition_penalty, 1.0)),
         logit_bias=parse_logit_bias(req.logit_bias, vocab_size),
-        min_p=float(_pick(req.min_p, None, 0.0)),
+        min_p=float(_pick(req.min_p, defaults.min_p, 0.0)),
         min_tokens=int(req.min_tokens),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,

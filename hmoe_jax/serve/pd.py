@@ -189,9 +189,6 @@ class PDCoordinator(CoreRunner):
         if self._closed:
             raise RuntimeError("P/D coordinator is closed")
         req = new_request(self.cfg, prompt_ids, params, self.max_len, time.perf_counter(), "the workers'")
-        if req.params.logprobs is not None or req.params.prompt_logprobs is not None:
-            # the workers' pipe carries token ids only (pd_worker.py)
-            raise ValueError("logprobs are not supported with --pd yet")
         if req.params.structured is not None:
             # the grammar matcher would have to follow the sequence into the decode worker
             raise ValueError("response_format json_object / json_schema is not supported with --pd yet")
@@ -430,16 +427,26 @@ class PDCoordinator(CoreRunner):
             if e is not None:
                 e.handle.request.meta.update(handover_s=h["total_s"], import_s=info["import_s"])
         elif kind == "tokens":
-            for rid, tok, t_s, reason in msg[1]:
+            for rid, tok, t_s, reason, lp in msg[1]:
                 e = self._entries.get(rid)
                 if e is None or rid not in self.core or self.core[rid].state != RequestState.DECODING:
                     continue
                 self.core.decoded(t_s)
-                e.handle.emit(tok, t_s)
+                e.handle.emit(tok, t_s, lp)
                 if reason is not None:
                     self._end(e, reason, t_s=t_s)
 
-    def _on_first(self, rid: int, tok: int, t_s: float, reason: str | None, meta: Any, info: dict) -> None:
+    def _on_first(
+        self,
+        rid: int,
+        tok: int,
+        t_s: float,
+        reason: str | None,
+        meta: Any,
+        info: dict,
+        lp: Any,
+        prompt_lps: Any,
+    ) -> None:
         self._in_prefill = None
         e = self._entries.get(rid)
         if e is None or e.cancelled:
@@ -450,7 +457,8 @@ class PDCoordinator(CoreRunner):
         req = e.handle.request
         req.started_s, req.schedule = info["started_s"], info["schedule"]
         req.meta.update(prefill_s=info["prefill_s"], schedule=info["schedule"])
-        e.handle.emit(tok, t_s)
+        req.prompt_logprobs = prompt_lps  # before the first token: a stream reads it then
+        e.handle.emit(tok, t_s, lp)
         if reason is not None:
             self._end(e, reason, t_s=t_s)
             return

@@ -4,11 +4,18 @@ MAP_SHARED, read-only) and builds its own Engine on it, then serves the coordina
 pipe with plain tuples.
 
     prefill worker  ("prefill", rid, prompt, params, segment, schedule)
-                    -> ("first", rid, token, t_s, finish_reason | None, HandoverMeta | None, info)
+                    -> ("first", rid, token, t_s, finish_reason | None, HandoverMeta | None, info,
+                        logprob, prompt_logprobs)
     decode worker   ("adopt", rid, prompt, params, first_token, HandoverMeta)
-                    -> ("adopted", rid, info), then per step ("tokens", [(rid, tok, t_s, reason)])
+                    -> ("adopted", rid, info), then per step
+                       ("tokens", [(rid, tok, t_s, reason, logprob)])
                     ("cancel", rid) frees the row at once (a no-op for an unknown rid)
     both            ("stats",) -> ("stats", {...}); ("stop",); a failed request -> ("error", rid, msg)
+
+logprob is the token's TokenLogprob when params.logprobs asked for it, else None;
+prompt_logprobs the prefill's list (None unless params.prompt_logprobs asked). Both workers
+compute them from their own raw logits (model/sampling.py token_logprobs), as the in-process
+scheduler does.
 
 The prefill worker runs one prompt at a time (the coordinator sends the next after "first");
 its KV goes into a shm segment named by the coordinator (kvshm.export_prefix) and its own
@@ -175,6 +182,17 @@ def _err(ex: BaseException) -> str:
     return f"{type(ex).__name__}: {ex}"
 
 
+def _last_logprob(seq: Any) -> Any:
+    """The newest token's TokenLogprob, None when the request did not ask. The engine appends
+    one per token it samples; an adopted sequence's list starts empty (its first token came
+    from the prefill worker), so the newest entry is the last token's either way."""
+    if seq.params.logprobs is None:
+        return None
+    if not seq.logprobs or seq.logprobs[-1].token != seq.tokens[-1]:
+        raise RuntimeError(f"logprobs: no entry for the newest token {seq.tokens[-1]}")
+    return seq.logprobs[-1]
+
+
 def _prefill_loop(eng: Any, conn: Any) -> None:
     from hmoe_jax.serve import kvshm
 
@@ -194,8 +212,9 @@ def _prefill_loop(eng: Any, conn: Any) -> None:
             continue
         t_first = time.perf_counter()
         info = {"started_s": t0, "prefill_s": seq.prefill_s, "schedule": seq.schedule}
+        lps = (_last_logprob(seq), seq.prompt_logprobs)
         if seq.done:  # the first token ended it (stop id or max_new_tokens=1): no handover
-            conn.send(("first", rid, seq.tokens[0], t_first, seq.finish_reason, None, info))
+            conn.send(("first", rid, seq.tokens[0], t_first, seq.finish_reason, None, info, *lps))
             continue
         try:
             meta = kvshm.export_prefix(eng.pool, seq.row, seq.prompt.size, segment)
@@ -204,7 +223,7 @@ def _prefill_loop(eng: Any, conn: Any) -> None:
             continue
         finally:
             eng.cancel(seq)  # the KV lives in the segment now: free this worker's row
-        conn.send(("first", rid, seq.tokens[0], t_first, None, meta, info))
+        conn.send(("first", rid, seq.tokens[0], t_first, None, meta, info, *lps))
 
 
 def _decode_loop(eng: Any, conn: Any) -> None:
@@ -259,7 +278,7 @@ def _decode_loop(eng: Any, conn: Any) -> None:
         out = []
         for r in rids:
             seq = active[r]
-            out.append((r, seq.tokens[-1], t, seq.finish_reason if seq.done else None))
+            out.append((r, seq.tokens[-1], t, seq.finish_reason if seq.done else None, _last_logprob(seq)))
             if seq.done:
                 del active[r]
         conn.send(("tokens", out))
