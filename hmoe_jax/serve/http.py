@@ -139,12 +139,18 @@ class ServerState:
 
     def admit_all(self, jobs: list[tuple[list[int], Any]], arrival_s: float) -> list[RequestHandle]:
         """Admit every (prompt ids, params) of one HTTP request, or none: when one is refused,
-        those already admitted are cancelled and the refusal is raised."""
+        those already admitted are cancelled and the refusal is raised. The jobs of one prompt
+        (its n samples, a prompt repeated in a list) go to the backend's submit_group where it
+        has one (one prefill); the handles come back in job order."""
         handles: list[RequestHandle] = []
         groups = _same_prompt(jobs)
         try:
             for ids, at in groups:
-                handles += self.admit_group(ids, [jobs[i][1] for i in at], arrival_s)
+                if len(at) > 1 and hasattr(self.backend, "submit_group"):
+                    handles += self.admit_group(ids, [jobs[i][1] for i in at], arrival_s)
+                else:
+                    for i in at:
+                        handles.append(self.admit(ids, jobs[i][1], arrival_s))
         except P.ApiError:
             for h in handles:
                 self.cancel(h)
@@ -154,10 +160,8 @@ class ServerState:
         return [h for _, h in sorted(zip(order, handles), key=lambda ih: ih[0])]
 
     def admit_group(self, ids: list[int], params: list[Any], arrival_s: float) -> list[RequestHandle]:
-        """Admit the requests of one prompt: a backend with submit_group prefills the prompt
-        once for all of them (the Scheduler forks it); else each is submitted on its own."""
-        if len(params) == 1 or not hasattr(self.backend, "submit_group"):
-            return [self.admit(ids, p, arrival_s) for p in params]
+        """Admit the requests of one prompt through the backend's submit_group (all or none):
+        the Scheduler prefills the prompt once for all of them and forks it."""
         self.check_room(len(params))
         try:
             hs = self.backend.submit_group(ids, params)
