@@ -70,7 +70,9 @@ def test_group_equals_solo_runs_and_prefills_once(policy):
     got = [h.result(1) for h in hs]
     for g, r in zip(got, refs):
         assert g.tokens == r.tokens and len(g.tokens) == 6
-        np.testing.assert_allclose([e.logprob for e in g.logprobs], [e.logprob for e in r.logprobs], atol=1e-5)
+        np.testing.assert_allclose(
+            [e.logprob for e in g.logprobs], [e.logprob for e in r.logprobs], atol=1e-5
+        )
     assert refs[0].tokens != refs[1].tokens  # the seeds matter: a fork does not copy its leader's draws
     ids = prefilled(sched)
     assert set(ids) == {hs[0].id}, ids  # only the first member prefilled (by chunks: several actions)
@@ -131,7 +133,7 @@ def test_cancelling_the_first_member_leaves_the_others_running(when):
     for h, r in zip(hs[1:], refs[1:]):
         assert h.result(1).finish_reason == "length" and h.result(1).tokens == r.tokens
     # before its prefill: the next member prefills the prompt itself, the last forks it
-    assert prefilled(sched) == [hs[0].id] if when == "after_fork" else [hs[1].id]
+    assert prefilled(sched) == ([hs[0].id] if when == "after_fork" else [hs[1].id])
     assert hs[2].request.schedule == "fork"
     assert engine().pool.in_use == 0
 
@@ -159,14 +161,18 @@ def test_http_n_shares_the_prefill_and_equals_solo():
         model_name="tiny", root="/tiny", vocab_size=cfg.vocab_size, max_model_len=64, eos_ids=cfg.eos_ids
     )
     state = ServerState(sched, tok, ChatTemplate(None, tok.encode), opts)
-    body = dict(model="tiny", prompt=prompt, max_tokens=5, temperature=0.9, seed=7, ignore_eos=True, logprobs=0)
+    body = dict(
+        model="tiny", prompt=prompt, max_tokens=5, temperature=0.9, seed=7, ignore_eos=True, logprobs=0
+    )
     try:
         with TestClient(create_app(state)) as c:
 
             def tokens(**kw):
                 r = c.post("/v1/completions", json={**body, **kw})
                 assert r.status_code == 200, r.text
-                return [ch["logprobs"]["tokens"] for ch in sorted(r.json()["choices"], key=lambda ch: ch["index"])]
+                return [
+                    ch["logprobs"]["tokens"] for ch in sorted(r.json()["choices"], key=lambda ch: ch["index"])
+                ]
 
             before = len(prefilled(sched))
             both = tokens(n=2)
@@ -175,3 +181,28 @@ def test_http_n_shares_the_prefill_and_equals_solo():
             assert both[0] != both[1]
     finally:
         sched.close()
+
+
+def test_core_fork_transitions():
+    """A fork is WAITING but unqueued (the policy never sees it); forked: -> DECODING holding
+    a row, no prefill; queue: into the FCFS queue by submission time."""
+    from hmoe_jax.policies.core import RequestState, ServingCore
+    from hmoe_jax.policies.registry import get_policy
+
+    core = ServingCore(get_policy("fcfs"), 1)
+    core.add(0, 5, 0.0)
+    core.add(1, 5, 0.0, fork=True)
+    core.add(2, 5, 0.0, fork=True)
+    core.add(3, 4, 1.0)
+    assert [p.id for p in core.view(2.0, 4).waiting] == [0, 3] and core.waiting() == [0, 3]
+    assert core[1].state == RequestState.WAITING and core.busy
+    core.forked(1)
+    assert core[1].state == RequestState.DECODING and core[1].holds_row and core.rows_held == 1
+    with pytest.raises(ValueError, match="cannot be forked"):
+        core.forked(1)
+    with pytest.raises(ValueError, match="cannot be forked"):
+        core.forked(0)  # a queued request is prefilled, not forked
+    core.queue(2)
+    assert core.waiting() == [0, 2, 3]  # submitted at 0.0: ahead of the request submitted at 1.0
+    with pytest.raises(ValueError, match="queued already"):
+        core.queue(2)
