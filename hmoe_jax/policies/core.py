@@ -18,7 +18,16 @@ The lifecycle (RequestState):
     WAITING --Prefill(background)--> PREFILLING --> [HANDOVER -->] DECODING --> DONE
     WAITING --Prefill (foreground)----------------------------> DECODING --> DONE
     WAITING --Chunk--> CHUNKING --Chunk ... last chunk---------> DECODING --> DONE
+    WAITING (a fork, not queued) --forked---------------------> DECODING --> DONE
     any state --cancel / error / finish--> DONE
+
+A fork is a follower of a group of requests sharing one prompt (n samples): it is added
+unqueued (the policy never sees it, so never prefills it) and, once a member of its group has
+prefilled the prompt, the runner copies that member's KV into a row of its own and samples its
+first token from the shared prompt logits: `forked` takes it WAITING -> DECODING with no
+prefill action. A fork whose group has no prefilled member left (all ended before it got a
+row) joins the queue (`queue`) and is prefilled like any request. Only the in-process
+Scheduler forks; the P/D coordinator and the simulator add every request queued.
 
 HANDOVER is P/D's: the first token is out and the KV moves to the decode side. `holds_row`
 says whether the request holds a KV pool row (from its admission to its end), so a runner
@@ -70,6 +79,7 @@ class Tracked:
     state: RequestState = RequestState.WAITING
     prefilled: int = 0  # prompt tokens prefilled by chunks
     holds_row: bool = False  # admitted: holds a KV pool row until it ends
+    fork: bool = False  # added unqueued: waits for its group's prefill (forked / queue)
 
 
 class ServingCore:
@@ -108,7 +118,7 @@ class ServingCore:
         return [r for r, t in self.requests.items() if t.state in states]
 
     def waiting(self) -> list[int]:
-        """WAITING / CHUNKING requests, FCFS."""
+        """WAITING / CHUNKING requests, FCFS (forks waiting for their group not included)."""
         return list(self._order)
 
     # ------------------------------------------------------------ transitions
@@ -119,12 +129,35 @@ class ServingCore:
         self.requests.clear()
         self._order.clear()
 
-    def add(self, rid: int, prompt_tokens: int, submitted_s: float) -> Tracked:
+    def add(self, rid: int, prompt_tokens: int, submitted_s: float, *, fork: bool = False) -> Tracked:
+        """A new WAITING request, queued FCFS; a fork (a group follower) is not queued."""
         if rid in self.requests:
             raise ValueError(f"serving core: request {rid} added twice")
-        t = self.requests[rid] = Tracked(rid, int(prompt_tokens), float(submitted_s))
-        self._order.append(rid)
+        t = self.requests[rid] = Tracked(rid, int(prompt_tokens), float(submitted_s), fork=fork)
+        if not fork:
+            self._order.append(rid)
         return t
+
+    def forked(self, rid: int) -> None:
+        """A fork took a row, a copy of its group's prompt KV and its first token from the
+        group's prompt logits: WAITING -> DECODING, no prefill."""
+        t = self.requests[rid]
+        if not t.fork or t.state != RequestState.WAITING:
+            raise ValueError(f"serving core: request {rid} ({t.state}, fork={t.fork}) cannot be forked")
+        t.holds_row, t.state, t.fork = True, RequestState.DECODING, False
+
+    def queue(self, rid: int) -> None:
+        """A fork whose group has no prefilled member left joins the queue in its FCFS place
+        (by submission time) and is prefilled like any request."""
+        t = self.requests[rid]
+        if not t.fork:
+            raise ValueError(f"serving core: request {rid} is queued already")
+        t.fork = False
+        at = next(
+            (i for i, r in enumerate(self._order) if self.requests[r].submitted_s > t.submitted_s),
+            len(self._order),
+        )
+        self._order.insert(at, rid)
 
     def admit(self, rid: int) -> None:
         """The request takes a KV pool row (its prefill starts)."""

@@ -139,17 +139,39 @@ class ServerState:
 
     def admit_all(self, jobs: list[tuple[list[int], Any]], arrival_s: float) -> list[RequestHandle]:
         """Admit every (prompt ids, params) of one HTTP request, or none: when one is refused,
-        those already admitted are cancelled and the refusal is raised."""
+        those already admitted are cancelled and the refusal is raised. The jobs of one prompt
+        (its n samples, a prompt repeated in a list) go to the backend's submit_group where it
+        has one (one prefill); the handles come back in job order."""
         handles: list[RequestHandle] = []
+        groups = _same_prompt(jobs)
         try:
-            for ids, params in jobs:
-                handles.append(self.admit(ids, params, arrival_s))
+            for ids, at in groups:
+                if len(at) > 1 and hasattr(self.backend, "submit_group"):
+                    handles += self.admit_group(ids, [jobs[i][1] for i in at], arrival_s)
+                else:
+                    for i in at:
+                        handles.append(self.admit(ids, jobs[i][1], arrival_s))
         except P.ApiError:
             for h in handles:
                 self.cancel(h)
                 self.retire(h, [], "abort")
             raise
-        return handles
+        order = [i for _, at in groups for i in at]  # handles in job order again
+        return [h for _, h in sorted(zip(order, handles), key=lambda ih: ih[0])]
+
+    def admit_group(self, ids: list[int], params: list[Any], arrival_s: float) -> list[RequestHandle]:
+        """Admit the requests of one prompt through the backend's submit_group (all or none):
+        the Scheduler prefills the prompt once for all of them and forks it."""
+        self.check_room(len(params))
+        try:
+            hs = self.backend.submit_group(ids, params)
+        except ValueError as e:
+            raise P.ApiError(400, str(e)) from None
+        except RuntimeError as e:  # closed / no worker
+            raise P.ApiError(503, str(e), type="service_unavailable") from None
+        for h in hs:
+            self.live[h.id] = _Live(h, arrival_s)
+        return hs
 
     def cancel(self, h: RequestHandle) -> None:
         """Cancel a request nobody reads any more (client gone, stop string seen); the
@@ -394,3 +416,12 @@ def create_app(state: ServerState) -> FastAPI:
 
 
 __all__ = ["ServeOptions", "ServerState", "create_app"]
+
+
+def _same_prompt(jobs: list[tuple[list[int], Any]]) -> list[tuple[list[int], list[int]]]:
+    """The jobs' distinct prompts, first-seen order, each with the indices of its jobs (the
+    n samples of one prompt, and a prompt repeated in a list, share one prefill)."""
+    at: dict[tuple[int, ...], tuple[list[int], list[int]]] = {}
+    for i, (ids, _) in enumerate(jobs):
+        at.setdefault(tuple(ids), (ids, []))[1].append(i)
+    return list(at.values())

@@ -356,6 +356,20 @@ class PDCoordinator(CoreRunner):
         except OSError:
             pass
 
+    def submit_group(self, prompt_ids: Any, params_list: list[SamplingParams]) -> list[RequestHandle]:
+        """One request per params on one prompt, each submitted (and prefilled) on its own: the
+        prefill worker hands each KV over separately, so P/D shares no prefill. All or none:
+        a refused one cancels those already queued and the error is raised."""
+        handles: list[RequestHandle] = []
+        try:
+            for params in params_list:
+                handles.append(self.submit(prompt_ids, params))
+        except Exception:
+            for h in handles:
+                h.cancel()
+            raise
+        return handles
+
     def _cancel(self, req: Request) -> None:
         with self._lock:
             self._cancels.append(req.id)

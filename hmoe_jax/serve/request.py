@@ -219,4 +219,10 @@ class Backend(Protocol):
 
     def submit(self, prompt_ids: Any, params: SamplingParams | None = None) -> RequestHandle: ...
 
+    def submit_group(self, prompt_ids: Any, params_list: list[SamplingParams]) -> list[RequestHandle]:
+        """One request per params on one prompt (n samples). The Scheduler prefills the prompt
+        once and forks it (serve/scheduler.py); the P/D coordinator submits each on its own.
+        Every handle is a request of its own (cancel, result)."""
+        ...
+
     def close(self) -> None: ...

@@ -16,7 +16,17 @@ their KV from the prefill lane's accelerator into their pool row, sample the fir
 ask the serving core (policies/core.py: the request lifecycle, the View, the policy's
 decision; the P/D coordinator and the simulator run the same core); run the actions in order (whole-prompt prefills, one chunk of a
 short prompt, one decode step: plain, or dual-batch through engine/dual.py). A cancelled
-request's pool row is freed in the iteration that sees the cancel. An action that fails
+request's pool row is freed in the iteration that sees the cancel.
+
+A group of requests sharing one prompt (submit_group: n samples) prefills it once: the first
+member is queued as usual; the others are forks (policies/core.py) the policy never sees.
+At the start of each iteration, while rows are free, a fork takes a row, gets a copy of a
+prefilled member's KV row (KVPool.copy_in within the pool: the whole row, the tail past the
+prompt masked by attention and overwritten as the fork decodes) and samples its first token
+from the shared prompt logits with its own parameters; it decodes like any request from then
+on. A fork whose group has no prefilled member left (it ended before the fork got a row, or
+was cancelled before its prefill) is queued and prefilled itself, and the group's other
+forks wait on it. An action that fails
 (bad input found late, a plan that does not fit) ends its request with an error naming the
 cause; the scheduler and the other requests go on.
 """
@@ -54,10 +64,22 @@ class _Entry:
     handle: RequestHandle
     seq: SeqState | None = None
     lane: Any = None  # background prefill: (thread, result dict)
+    group: _Group | None = None  # submit_group: the requests sharing this one's prompt
 
     @property
     def req(self) -> Request:
         return self.handle.request
+
+
+@dataclasses.dataclass
+class _Group:
+    """Requests sharing one prompt (submit_group): one prefills it, the others fork."""
+
+    members: list[int]  # every member's id, submission order
+    pending: list[int]  # forks waiting for a row (and a prefilled member to copy)
+    logits: Any = None  # the prompt's last-position logits [1, V], once a member prefilled it
+    prompt_logprobs: list[Any] | None = None  # that member's (every member asks the same k)
+    ttft_s: float = 0.0  # that member's prefill time (seconds)
 
 
 class Scheduler(CoreRunner):
@@ -96,6 +118,7 @@ class Scheduler(CoreRunner):
         self._cancels: list[int] = []
         self._entries: dict[int, _Entry] = {}
         self._lanes: dict[tuple[int, ...], Engine] = {}
+        self._groups: list[_Group] = []  # groups with forks still waiting
         self._thread: threading.Thread | None = None
         self._closed = False
         self._exclusive = threading.Lock()  # held by each iteration (run_exclusive)
@@ -124,6 +147,34 @@ class Scheduler(CoreRunner):
             self._inbox.append(e)
             self._lock.notify_all()
         return e.handle
+
+    def submit_group(self, prompt_ids: Any, params_list: list[SamplingParams]) -> list[RequestHandle]:
+        """One request per params, all on one prompt (n samples), prefilled once: the others
+        fork the first's prefill (module docstring). Members asking different prompt_logprobs
+        form separate groups (the copy carries one k). Each handle is a request of its own:
+        cancelling one leaves the others running. Bad input raises ValueError here."""
+        if self._closed:
+            raise RuntimeError("scheduler is closed")
+        if not params_list:
+            raise ValueError("submit_group: no sampling parameters (one per request)")
+        now = self.clock()
+        entries = []
+        for params in params_list:
+            req = new_request(self.engine.cfg, prompt_ids, params, self.engine.max_len, now, "the engine's")
+            self.engine.check_structured(req.params)
+            entries.append(_Entry(RequestHandle(req, self._cancel)))
+        by_k: dict[int | None, list[_Entry]] = {}
+        for e in entries:
+            by_k.setdefault(e.req.params.prompt_logprobs, []).append(e)
+        for members in by_k.values():
+            if len(members) > 1:
+                g = _Group([e.req.id for e in members], [e.req.id for e in members[1:]])
+                for e in members:
+                    e.group = g
+        with self._lock:
+            self._inbox.extend(entries)
+            self._lock.notify_all()
+        return [e.handle for e in entries]
 
     def _cancel(self, req: Request) -> None:
         with self._lock:
@@ -161,7 +212,15 @@ class Scheduler(CoreRunner):
                 cancels, self._cancels = self._cancels, []
             for e in new:
                 self._entries[e.req.id] = e
-                self.core.add(e.req.id, int(e.req.prompt.size), e.req.submitted_s)
+                g = e.group
+                self.core.add(
+                    e.req.id,
+                    int(e.req.prompt.size),
+                    e.req.submitted_s,
+                    fork=g is not None and e.req.id in g.pending,
+                )
+                if g is not None and g.members[0] == e.req.id:
+                    self._groups.append(g)
             for rid in cancels:
                 self._do_cancel(rid)
         if self.core.in_state(RequestState.PREFILLING):
@@ -169,6 +228,9 @@ class Scheduler(CoreRunner):
                 ran = self._adopt_background()
         else:
             ran = False
+        if self._groups:
+            with span(tr, SCHED, "fork"):
+                ran = self._tend_groups() or ran
         with span(tr, SCHED, "decide") as info:
             actions = self.core.decide(self.clock(), len(self.engine.pool.free_rows))
             if tr is not None and actions:
@@ -263,9 +325,54 @@ class Scheduler(CoreRunner):
         if done:
             self._prefilled(e)
 
+    def _tend_groups(self) -> bool:
+        """Fork each group's waiting members while rows are free (from a member that has
+        prefilled the prompt and still holds its row); queue one for its own prefill where no
+        member is left to fork from. Returns whether a fork ran."""
+        ran = False
+        for g in list(self._groups):
+            g.pending = [r for r in g.pending if r in self._entries]  # cancelled forks are gone
+            live = [self._entries[r] for r in g.members if r in self._entries and r not in g.pending]
+            src = next((e.seq for e in live if e.seq is not None and e.seq.tokens and not e.seq.done), None)
+            if src is not None and g.logits is not None:
+                while g.pending and self.engine.pool.free_rows:
+                    self._fork(self._entries[g.pending.pop(0)], g, src)
+                    ran = True
+            elif not live and g.pending:
+                # nobody is prefilling or holding the prompt any more: the first fork prefills it
+                self.core.queue(g.pending.pop(0))
+                g.logits = None
+            if not g.pending:
+                self._groups.remove(g)
+        return ran
+
+    def _fork(self, e: _Entry, g: _Group, src: SeqState) -> None:
+        """e takes a row, a copy of src's KV row (its prompt is e's) and its first token
+        sampled from the group's prompt logits with e's own parameters."""
+        t0 = time.perf_counter()
+        try:
+            seq = self._admit(e)
+            moved = self.engine.pool.copy_in(seq.row, self.engine.pool, src.row)
+            if g.prompt_logprobs is not None:
+                seq.prompt_logprobs = list(g.prompt_logprobs)
+            e.req.schedule = seq.schedule = "fork"
+            copy_s = time.perf_counter() - t0
+            self.engine.first_token(seq, g.logits, g.ttft_s + copy_s)
+        except Exception as ex:  # noqa: BLE001 (reported on the request; the loop goes on)
+            self._error(e, ex)
+            return
+        e.req.meta.update(kv_copy_bytes=moved, kv_copy_s=copy_s)
+        self.core.forked(e.req.id)
+        self._prefilled(e)
+
     def _prefilled(self, e: _Entry) -> None:
-        """The first token exists: stream it; the request decodes from the next iteration."""
+        """The first token exists: stream it; the request decodes from the next iteration.
+        A group member that prefilled the prompt leaves its logits for the group's forks."""
         seq = e.seq
+        g = e.group
+        if g is not None and g.logits is None:
+            g.logits = np.asarray(seq.prefill_logits)[-1:]
+            g.prompt_logprobs, g.ttft_s = seq.prompt_logprobs, seq.ttft_s
         e.req.prompt_logprobs = seq.prompt_logprobs  # before the first token: a stream reads it then
         self._emit(e, self.clock())
         self.core.decoding(e.req.id)
