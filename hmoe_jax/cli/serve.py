@@ -21,8 +21,12 @@ from typing import Any
 
 def _serve(args: argparse.Namespace) -> int:
     from hmoe_jax.cli.run import build_run
+    from hmoe_jax.io.errors import InputError
     from hmoe_jax.serve.http_server import serve
 
+    if args.pd and (args.hf_overrides is not None or args.experts_format != "stored"):
+        # the --pd workers load the checkpoint themselves, from its path alone
+        raise InputError("--pd: --hf-overrides / --experts-format are not passed to the workers; drop --pd")
     return serve(args, build_run(args))
 
 
