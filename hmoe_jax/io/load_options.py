@@ -51,7 +51,9 @@ def parse_hf_overrides(text: str) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         raise InputError(f"--hf-overrides: not valid JSON ({e.msg} at char {e.pos}): {text!r}") from None
     if not isinstance(d, dict):
-        raise InputError(f"--hf-overrides: expected a JSON object like '{{\"num_experts_per_tok\": 2}}', got {text!r}")
+        raise InputError(
+            f"--hf-overrides: expected a JSON object like '{{\"num_experts_per_tok\": 2}}', got {text!r}"
+        )
     return d
 
 
@@ -65,7 +67,9 @@ def apply_hf_overrides(cfg: ModelConfig, ckpt: Path, overrides: dict[str, Any]) 
     raw = json.loads(path.read_text()) if path.is_file() else cfg.to_hf_dict()
     ignored = sorted(k for k in overrides if k in _IGNORED_KEYS)
     if ignored:
-        raise InputError(f"--hf-overrides: key(s) {ignored} are ignored by the loader; overriding them has no effect")
+        raise InputError(
+            f"--hf-overrides: key(s) {ignored} are ignored by the loader; overriding them has no effect"
+        )
     merged = {**raw, **overrides}
     # rope_parameters and rope_scaling are two spellings of one thing: overriding one
     # replaces the other rather than tripping the "both set" check
