@@ -28,7 +28,7 @@ Tolerance: serving computes in bf16 activations (8 significant bits, relative ro
 per token |harness - in-process| <= 2 * 2^-8 * max|logit| (max over the doc's positions),
 summed over the scored tokens of a doc.
 
-    python -m experiments.e08_lm_eval [--quick]   # an interpreter with lm-eval: pip install -e .[eval]
+    python -m experiments.e08_lm_eval [--quick] [--modes bf16,fp8,int4,topk_reduced]   # an interpreter with lm-eval: pip install -e .[eval]
 """
 
 from __future__ import annotations
@@ -289,6 +289,16 @@ def run_mode(mode: str, assets: Path, k: int, limits: dict[str, int]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    modes = list(MODES)
+    if argv is None:
+        argv = sys.argv[1:]
+    if "--modes" in argv:  # one mode per process: on a shared 2-core box the modes run side by side
+        i = argv.index("--modes")
+        modes = argv[i + 1].split(",")
+        argv = argv[:i] + argv[i + 2 :]
+        bad = sorted(set(modes) - set(MODES))
+        if bad:
+            raise SystemExit(f"--modes: unknown mode(s) {bad}; expected a comma list of {MODES}")
     args = parse_args("e08_lm_eval", __doc__, argv)
     try:
         import lm_eval  # noqa: F401
@@ -305,7 +315,7 @@ def main(argv: list[str] | None = None) -> dict:
         if args.quick
         else {"hmoe_heldout_ppl": 32, "hmoe_nextline_mc": 64, "hmoe_nextline_gen": 64}
     )
-    rows = [run_mode(m, assets, k, limits) for m in MODES]
+    rows = [run_mode(m, assets, k, limits) for m in modes]
     by = {r["mode"]: r for r in rows}
     summary: dict = {}
     for m, r in by.items():
@@ -338,6 +348,7 @@ def main(argv: list[str] | None = None) -> dict:
             "tolerance": "per token 2 * 2^-8 * max|logit|, summed over a doc's scored tokens",
             "lm_eval": __import__("lm_eval").__version__,
             "serve_precision": "bf16",
+            "modes": modes,
         },
         rows=rows,
         summary=summary,
