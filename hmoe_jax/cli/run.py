@@ -63,6 +63,22 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="context limit in tokens (default: max_position_embeddings)",
     )
+    p.add_argument(
+        "--hf-overrides",
+        default=None,
+        metavar="JSON",
+        help="config.json keys overridden before the model is built (vLLM's flag), e.g. "
+        "'{\"num_experts_per_tok\": 2}'; unknown keys, ignored keys and keys that change weight "
+        "shapes are errors",
+    )
+    p.add_argument(
+        "--experts-format",
+        choices=("stored", "int4"),
+        default="stored",
+        help="routed experts as stored (default) or converted at load to INT4 group 64 "
+        "(hmoe_jax/quant/int4.py) from this checkpoint's own experts: bf16 as stored, FP8 "
+        "dequantized first (so INT4 of an FP8 checkpoint carries both roundings)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bars or notes on stderr")
     p.add_argument(
         "--require-gpu",
@@ -94,11 +110,15 @@ def build_run(args: argparse.Namespace) -> Run:
         check_gpu(required=True)
     from hmoe_jax.io.default_model import default_checkpoint
     from hmoe_jax.io.generation_config import load_generation_config
+    from hmoe_jax.io.load_options import apply_hf_overrides, describe, parse_hf_overrides, with_experts_format
     from hmoe_jax.io.loader import load_checkpoint
     from hmoe_jax.io.tokenizer import load_tokenizer
     from hmoe_jax.model.moe import experts_ref
 
     progress = not args.quiet
+    overrides_text = getattr(args, "hf_overrides", None)
+    overrides = parse_hf_overrides(overrides_text) if overrides_text is not None else {}
+    experts_format = getattr(args, "experts_format", "stored")
     if args.checkpoint is None:
         ckpt, model = default_checkpoint(progress=progress)
     else:
@@ -108,7 +128,12 @@ def build_run(args: argparse.Namespace) -> Run:
     generation = load_generation_config(ckpt, getattr(args, "generation_config", None))
     if generation.source is not None and not args.quiet:
         print(f"hmoe: {generation.describe()}", file=sys.stderr)
-    cfg, params = load_checkpoint(ckpt, progress=progress)
+    stored_cfg, params = load_checkpoint(ckpt, progress=progress)
+    cfg = apply_hf_overrides(stored_cfg, ckpt, overrides)
+    params = with_experts_format(params, cfg, experts_format)
+    note = describe(stored_cfg, cfg, experts_format)
+    if note and not args.quiet:
+        print(note, file=sys.stderr)
     max_context = cfg.max_position_embeddings
     if args.max_context is not None:
         if not 1 <= args.max_context <= cfg.max_position_embeddings:

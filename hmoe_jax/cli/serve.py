@@ -23,9 +23,13 @@ def _serve(args: argparse.Namespace) -> int:
     import time
 
     from hmoe_jax.cli.run import build_run
+    from hmoe_jax.io.errors import InputError
     from hmoe_jax.serve.http_server import configure_compile_cache, serve
 
     args.t_start_s = time.perf_counter()
+    if args.pd and (args.hf_overrides is not None or args.experts_format != "stored"):
+        # the --pd workers load the checkpoint themselves, from its path alone
+        raise InputError("--pd: --hf-overrides / --experts-format are not passed to the workers; drop --pd")
     configure_compile_cache(args.compile_cache)  # before anything compiles
     return serve(args, build_run(args))
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from hmoe_jax.model.params import FFNParams, Weight
 from hmoe_jax.model.precision import Precision
 from hmoe_jax.quant.fp8 import Fp8Tensor, dequantize
+from hmoe_jax.quant.int4 import Int4Tensor, dequantize_int4
 
 
 def rms_norm(x: jax.Array, w: Any, eps: float) -> jax.Array:
@@ -26,9 +27,12 @@ def rms_norm(x: jax.Array, w: Any, eps: float) -> jax.Array:
 
 
 def dense_weight(w: Weight, dtype: Any = jnp.float32) -> jax.Array:
-    """The weight as a plain array of `dtype` (dequantizing block FP8)."""
+    """The weight as a plain array of `dtype` (dequantizing block FP8 or group INT4: INT4
+    routed experts, `--experts-format int4`, through experts_ref)."""
     if isinstance(w, Fp8Tensor):
         return dequantize(w, dtype)
+    if isinstance(w, Int4Tensor):
+        return dequantize_int4(w, dtype)
     return jnp.asarray(w).astype(dtype)
 
 
