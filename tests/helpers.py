@@ -228,3 +228,15 @@ def gpu_policy(form: str = "interpret"):
         accel_fp8_grouped_matmul=p(F.fp8_grouped_linear, interpret=True),
         accel_fp8_head_matmul=p(F.fp8_head_linear, interpret=True),
     )
+
+
+@functools.cache
+def tiny_random_model():
+    """(cfg, params, prompt): deepseek_v3_tiny with random weights (seed 11) and a 12-token
+    prompt, shared by the sampler and fork tests (one set of compiled programs)."""
+    from hmoe_jax.runtime.synthetic import random_params
+
+    cfg = named_model_config("deepseek_v3_tiny")
+    params = random_params(cfg, seed=11)
+    prompt = [int(t) for t in np.random.default_rng(5).integers(2, cfg.vocab_size, 12)]
+    return cfg, params, prompt

@@ -10,7 +10,6 @@ import jax
 import numpy as np
 import pytest
 
-from hmoe_jax.config import named_model_config
 from hmoe_jax.model.sampling import (
     RowHistory,
     SamplingParams,
@@ -23,6 +22,7 @@ from hmoe_jax.model.sampling import (
     sample_batch,
     token_logprobs,
 )
+from tests.helpers import tiny_random_model
 
 # ------------------------------------------------------------------ the sampler alone
 
@@ -153,14 +153,8 @@ def test_token_logprobs_match_the_reference_ties_lower_id_first():
 # ------------------------------------------------------------------ the engine
 
 
-@functools.cache
 def model():
-    from hmoe_jax.runtime.synthetic import random_params
-
-    cfg = named_model_config("deepseek_v3_tiny")
-    params = random_params(cfg, seed=11)
-    prompt = [int(t) for t in np.random.default_rng(5).integers(2, cfg.vocab_size, 12)]
-    return cfg, params, prompt
+    return tiny_random_model()
 
 
 @functools.cache

@@ -17,22 +17,16 @@ import functools
 import numpy as np
 import pytest
 
-from hmoe_jax.config import named_model_config
 from hmoe_jax.model.sampling import SamplingParams
 from hmoe_jax.serve.scheduler import Scheduler
+from tests.helpers import tiny_random_model
 
 FCFS = ("fcfs", {})
 CHUNKED = ("paper", dict(long_prompt_tokens=100, chunk_tokens=4, dual_batch="off"))
 
 
-@functools.cache
 def model():
-    from hmoe_jax.runtime.synthetic import random_params
-
-    cfg = named_model_config("deepseek_v3_tiny")
-    params = random_params(cfg, seed=11)
-    prompt = [int(t) for t in np.random.default_rng(5).integers(2, cfg.vocab_size, 12)]
-    return cfg, params, prompt
+    return tiny_random_model()
 
 
 @functools.cache
