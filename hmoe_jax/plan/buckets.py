@@ -29,4 +29,6 @@ def prefill_bucket(tokens: int) -> int:
 
 def prefill_buckets(max_tokens: int) -> list[int]:
     """Every prefill_bucket of a chunk of 1..max_tokens tokens."""
-    return sorted({prefill_bucket(t) for t in [1, max_tokens] + [1 << k for k in range(6, 31)] if t <= max_tokens})
+    return sorted(
+        {prefill_bucket(t) for t in [1, max_tokens] + [1 << k for k in range(6, 31)] if t <= max_tokens}
+    )
