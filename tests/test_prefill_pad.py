@@ -1,5 +1,5 @@
 """Padded prefill chunks (Engine.prefill_seq, plan/buckets.py prefill_bucket): a cpu chunk of
-any length runs as the next power of two >= 64 tokens, so a few programs serve every
+any length runs as the next power of two >= 64 tokens (past 512: the next multiple of 512), so a few programs serve every
 prompt. The padding must change nothing real: each chunked prompt's logits and greedy
 tokens equal the independent reference (hmoe_jax.model.generate: plain model, dense
 attention, experts_ref, unpadded), prompt logprobs too, and the runs really were padded."""
@@ -42,9 +42,13 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 
 def test_prefill_bucket_rule():
-    assert [prefill_bucket(t) for t in (1, 63, 64, 65, 476, 512, 513)] == [64, 64, 64, 128, 512, 512, 1024]
+    got = [prefill_bucket(t) for t in (1, 63, 64, 65, 476, 512, 513, 1025, 1536, 1537)]
+    assert got == [64, 64, 64, 128, 512, 512, 1024, 1536, 1536, 2048]
     assert prefill_buckets(512) == [64, 128, 256, 512]
-    assert prefill_buckets(1500) == [64, 128, 256, 512, 1024, 2048]
+    assert prefill_buckets(1500) == [64, 128, 256, 512, 1024, 1536]
+    for t in range(1, 3000):  # the padding is never more than 2x, nor 512 tokens past 512
+        b = prefill_bucket(t)
+        assert t <= b < max(2 * t, 128) and (t <= 512 or b - t < 512)
     with pytest.raises(ValueError, match="tokens must be >= 1"):
         prefill_bucket(0)
 
