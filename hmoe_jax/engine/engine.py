@@ -41,7 +41,7 @@ from hmoe_jax.model.sampling import (
     token_logprobs,
 )
 from hmoe_jax.model.structured import Grammar, GrammarCompiler
-from hmoe_jax.plan.buckets import cache_len
+from hmoe_jax.plan.buckets import cache_len, prefill_bucket
 from hmoe_jax.plan.format import Plan
 from hmoe_jax.plan.system import SystemSpec
 from hmoe_jax.plan.trace import TraceRecorder
@@ -225,6 +225,7 @@ class Engine:
         trace: TraceRecorder | None = None,
         locks: dict | None = None,
         label: str | None = None,
+        real_tokens: int | None = None,
     ) -> tuple[Run, float]:
         tokens = np.asarray(tokens, np.int32)
         run = Run(
@@ -243,6 +244,7 @@ class Engine:
             acc_tflops_cap=self.acc_tflops_cap,
             locks=locks,
             label=label,
+            real_tokens=real_tokens,
         )
         if trace is not None:
             ring = {}
@@ -379,21 +381,40 @@ class Engine:
         when t1 < prompt length: only the cpu schedule takes a start position). After the
         last chunk, sample the first token. Returns True when the prompt is done. With
         params.prompt_logprobs set, every chunk runs with all_logits and its prompt logprobs
-        are computed on the device as it ends (only the top-k reach the host)."""
+        are computed on the device as it ends (only the top-k reach the host).
+
+        A cpu chunk is padded to prefill_pad_tokens (plan/buckets.py prefill_bucket), so a
+        few programs serve every chunk length: the padding follows the real tokens (causal
+        attention: no real position sees it), its KV slots lie past the prompt (decode
+        overwrites each before it attends to it), and only the real positions' logits are
+        kept."""
         n = seq.prompt.size
         t0, t1 = seq.pos, n if t1 is None else min(int(t1), n)
         if not 0 <= t0 < t1:
             raise ValueError(f"prefill_seq: empty chunk [{t0}, {t1}) of a {n}-token prompt")
         start = time.perf_counter()
         want_all = all_logits or seq.params.prompt_logprobs is not None
-        plan = self.plan(schedule, t1 - t0, t0, all_logits=want_all, **options)
+        real = t1 - t0
+        tp = self.prefill_pad_tokens(schedule, real, t0)
+        plan = self.plan(schedule, tp, t0, all_logits=want_all, **options)
+        if tp > real and int(plan.meta.get("chunk_tokens", tp)) < tp:
+            # the plan splits the padded span: its last chunk may lack the last real token
+            tp = real
+            plan = self.plan(schedule, tp, t0, all_logits=want_all, **options)
+        toks = seq.prompt[t0:t1]
+        if tp > real:
+            toks = np.concatenate([toks, np.zeros(tp - real, np.int32)])
         rows = np.array([seq.row], np.int32)
-        run, secs = self.run_plan(plan, seq.prompt[t0:t1], self.pool, t0, rows=rows, trace=trace)
+        run, secs = self.run_plan(
+            plan, toks, self.pool, t0, rows=rows, trace=trace, real_tokens=real if schedule == "cpu" else None
+        )
         seq.pos = t1
         seq.prefill_s += secs
         seq.streamed_bytes += sum(run.streamed_bytes.values())
-        seq.schedule, seq.plan_meta = plan.schedule, dict(plan.meta)
+        seq.schedule, seq.plan_meta = plan.schedule, dict(plan.meta, padded_tokens=tp - real)
         logits = jnp.concatenate([lg[0] for lg in run.logits], axis=0)
+        if want_all and tp > real:
+            logits = logits[:real]  # the padding's logits are no prompt position's
         if seq.params.prompt_logprobs is not None:
             self.record_prompt_logprobs(seq, logits, t0, t1)
         if t1 < n:
@@ -401,6 +422,15 @@ class Engine:
         logits = logits if all_logits else logits[-1:]
         self.first_token(seq, logits, seq.prefill_s - secs + time.perf_counter() - start)
         return True
+
+    def prefill_pad_tokens(self, schedule: str, tokens: int, start_pos: int) -> int:
+        """The token count a prefill_seq chunk of `tokens` tokens at start_pos runs as: the
+        cpu schedule's chunks are padded to prefill_bucket(tokens) when the pool row has
+        room for the padded tail; otherwise (another schedule, no room) the exact length."""
+        if schedule != "cpu":
+            return tokens
+        tp = prefill_bucket(tokens)
+        return tp if start_pos + tp <= self.pool.max_len else tokens
 
     @staticmethod
     def record_prompt_logprobs(seq: SeqState, logits: jax.Array, t0: int, t1: int) -> None:

@@ -12,3 +12,27 @@ def cache_len(tokens: int) -> int:
     if tokens < 0:
         raise ValueError(f"cache_len: tokens must be >= 0, got {tokens}")
     return -(-int(tokens) // CACHE_BUCKET) * CACHE_BUCKET
+
+
+PREFILL_MIN_BUCKET = 64  # smallest padded prefill chunk, tokens
+PREFILL_STEP = 512  # past it, chunks pad to a multiple of this (not the next power of two)
+
+
+def prefill_bucket(tokens: int) -> int:
+    """The padded token count of a prefill chunk of `tokens` tokens: the next power of two
+    >= PREFILL_MIN_BUCKET up to PREFILL_STEP (64, 128, 256, 512: the paper policy's 512-token
+    chunks), past it the next multiple of PREFILL_STEP. A bounded set of programs covers
+    every chunk length; the padded rows (they run attention, the experts and the hops like
+    real ones) are under 2x a short chunk and under PREFILL_STEP tokens for a long one (a
+    power of two there would nearly double a 1,025-token prompt's work)."""
+    if tokens < 1:
+        raise ValueError(f"prefill_bucket: tokens must be >= 1, got {tokens}")
+    t = int(tokens)
+    if t <= PREFILL_STEP:
+        return max(PREFILL_MIN_BUCKET, 1 << (t - 1).bit_length())
+    return -(-t // PREFILL_STEP) * PREFILL_STEP
+
+
+def prefill_buckets(max_tokens: int) -> list[int]:
+    """Every prefill_bucket of a chunk of 1..max_tokens tokens."""
+    return sorted({prefill_bucket(t) for t in range(1, int(max_tokens) + 1)})

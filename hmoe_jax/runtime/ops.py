@@ -248,7 +248,15 @@ def combine(run: Run, op: Op) -> list:
 def final(run: Run, op: Op) -> list:
     a = run.weights.acc
     last = op.args.get("rows", "last") == "last"
-    lg = pieces.final(a.norm, a.lm_head, run.cfg, run.chunk(op).h, last, run.prec)
+    last_at = None
+    if last and run.real_tokens is not None:  # a padded prefill: the last REAL token's logits
+        t0, t1 = run.span(op)
+        if not t0 < run.real_tokens <= t1:
+            raise PlanError(
+                f"op {op.id} (final): chunk [{t0}, {t1}) lacks the last real token {run.real_tokens - 1}"
+            )
+        last_at = np.asarray(run.real_tokens - 1 - t0, np.int32)
+    lg = pieces.final(a.norm, a.lm_head, run.cfg, run.chunk(op).h, last, run.prec, last_at)
     run.logits.append(lg)
     return [lg]
 

@@ -222,11 +222,19 @@ def combine(
 
 @functools.partial(jax.jit, static_argnames=("cfg", "last_only", "prec"))
 def final(
-    norm_w: jax.Array, lm_head, cfg: ModelConfig, h: jax.Array, last_only: bool, prec: Precision = F32
+    norm_w: jax.Array,
+    lm_head,
+    cfg: ModelConfig,
+    h: jax.Array,
+    last_only: bool,
+    prec: Precision = F32,
+    last_at: jax.Array | None = None,
 ) -> jax.Array:
-    """h [B, T, D] -> logits [B, T or 1, V] f32."""
+    """h [B, T, D] -> logits [B, T or 1, V] f32. last_only with last_at (a traced index):
+    the logits of position last_at, not T - 1 (a padded chunk's last real token; traced,
+    so every real length of one padded shape shares the program)."""
     if last_only:
-        h = h[:, -1:]
+        h = h[:, -1:] if last_at is None else jax.lax.dynamic_slice_in_dim(h, last_at, 1, axis=1)
     if prec.exact:
         return M.final_logits(ModelParams(embed=None, layers=(), norm=norm_w, lm_head=lm_head), cfg, h)
     x = rms_norm(h, norm_w, cfg.rms_norm_eps).astype(prec.act_dtype)

@@ -114,6 +114,9 @@ class Run:
     # the KV pool arrays (replaced by each attention op) see one writer at a time.
     locks: dict[str, threading.Lock] | None = None
     label: str | None = None  # trace slice arg "batch" (which micro-batch)
+    # a padded prefill chunk (Engine.prefill_seq): tokens [0, real_tokens) are the prompt's,
+    # the rest padding; a last-only final op takes position real_tokens - 1's logits
+    real_tokens: int | None = None
 
     def __post_init__(self) -> None:
         b = self.tokens.shape[0]

@@ -318,7 +318,7 @@ def start_warm_up(
         if info:
             detail = f" (decode batch 1..{info['batches']} compiled; arms {arms or 'none measured'}"
             if info.get("prefill_prompts"):
-                detail += f"; prefill prompts {info['prefill_prompts']} chunk by chunk"
+                detail += f"; prefill chunk shapes {info['prefill_prompts']} (tokens, padded)"
             detail += ")"
         since = f"; ready {time.perf_counter() - t_start_s:.1f} s after start" if t_start_s else ""
         print(f"hmoe serve: warmed up in {secs:.1f} s{detail}{since}", file=sys.stderr, flush=True)

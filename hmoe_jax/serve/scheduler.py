@@ -45,7 +45,7 @@ import numpy as np
 from hmoe_jax.engine.dual import dual_step, split_micro_batches
 from hmoe_jax.engine.engine import Engine, SeqState
 from hmoe_jax.model.sampling import SamplingParams
-from hmoe_jax.plan.buckets import cache_len
+from hmoe_jax.plan.buckets import cache_len, prefill_buckets
 from hmoe_jax.plan.trace import TraceRecorder
 from hmoe_jax.policies.base import Chunk, Decode, Policy, Prefill, View
 from hmoe_jax.policies.core import CoreRunner, RequestState, ServingCore
@@ -54,7 +54,7 @@ from hmoe_jax.runtime.run import decode_kv_len
 from hmoe_jax.serve.request import Request, RequestHandle, new_request
 from hmoe_jax.serve.servetrace import SCHED, CompileListener, span
 
-MAX_WARM_PREFILLS = 8  # prompt lengths warm_up prefills at most (prefill_warm_lengths)
+MAX_WARM_PREFILLS = 8  # padded chunk shapes warm_up prefills at most (prefill_warm_lengths)
 
 
 @dataclasses.dataclass
@@ -537,27 +537,27 @@ class Scheduler(CoreRunner):
         return out
 
     def prefill_warm_lengths(self) -> list[int]:
-        """The prompt lengths whose prefill shapes warm_up compiles: every multiple of the
-        policy's chunk_tokens below its long_prompt_tokens (and within max_len), as the
-        policy runs them: chunk by chunk, the last chunk sampling the first token. The
-        programs compile per chunk length and per 64-token KV bucket (plan.buckets), so this
-        covers every full chunk a chunked prompt runs; a prompt's shorter last chunk still
-        compiles once per new length (each such shape, once compiled, is in the persistent
-        compilation cache, so a restarted server does not compile it again)."""
+        """The prompt lengths whose prefill shapes warm_up compiles: one prompt per padded
+        chunk shape the policy's chunks can run (plan/buckets.py prefill_buckets of its
+        chunk_tokens, within long_prompt_tokens and max_len). Engine.prefill_seq pads every
+        cpu chunk to one of these, and the prefill programs depend on the chunk's shape
+        only (the start position and the real length are traced), so after warm-up no
+        chunked prompt compiles. Not covered: a chunk whose padded tail does not fit its
+        row (run at its exact length: only when chunk_tokens does not divide max_len) and
+        the background (long-prompt) prefills of private caches."""
         o = self.policy.options
         chunk = int(o.get("chunk_tokens") or 0)
         if chunk < 1:
             return []
         limit = min(int(o.get("long_prompt_tokens") or self.engine.max_len), self.engine.max_len - 1)
-        # at most MAX_WARM_PREFILLS prompts: a policy with tiny chunks would otherwise warm
-        # hundreds (the paper policy's defaults need 3)
-        return list(range(chunk, limit, chunk))[:MAX_WARM_PREFILLS]
+        lengths = [b for b in prefill_buckets(min(chunk, limit)) if b < self.engine.max_len]
+        # at most MAX_WARM_PREFILLS prompts (the paper policy's 512-token chunks need 4)
+        return lengths[-MAX_WARM_PREFILLS:]
 
     def _warm_prefill(self) -> list[int]:
-        """Run each prefill_warm_lengths() prompt on a scratch pool row, in the policy's
-        chunks (cpu schedule), so no client's full chunk compiles."""
+        """Run each prefill_warm_lengths() prompt on a scratch pool row as one cpu chunk
+        (its padded shape, sampling the first token), so no client's chunk compiles."""
         eng = self.engine
-        chunk = int(self.policy.options.get("chunk_tokens") or 0)
         done = []
         for n in self.prefill_warm_lengths():
             if not eng.pool.free_rows:
@@ -565,8 +565,7 @@ class Scheduler(CoreRunner):
             seq = eng.admit([1] * n, SamplingParams(max_new_tokens=1, stop_ids=()))
             try:
                 with span(self.trace, SCHED, "warm_up_prefill", tokens=n):
-                    while not eng.prefill_seq(seq, "cpu", int(seq.pos) + chunk):
-                        pass
+                    eng.prefill_seq(seq, "cpu")
             finally:
                 eng.cancel(seq)  # a no-op once the first token ended it (its row is freed)
             done.append(n)
