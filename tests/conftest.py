@@ -57,6 +57,8 @@ def _release_compiled_programs(request):
             f"executables or mapped arenas alive across tests",
             pytrace=False,
         )
+
+
 # a profile `hmoe calibrate` wrote on THIS machine (skips the calibration in the run)
 TIMING_PROFILE_ENV = "HMOE_TIMING_PROFILE"
 

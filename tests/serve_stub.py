@@ -105,8 +105,8 @@ def app_for(backend, **kw):
     """(TestClient, ServerState) of the HTTP app on `backend` with the byte tokenizer."""
     from fastapi.testclient import TestClient
 
+    from hmoe_jax.serve.chat_template import ChatTemplate
     from hmoe_jax.serve.http import ServeOptions, ServerState, create_app
-    from hmoe_jax.serve.openai_protocol import ChatTemplate
 
     opts = ServeOptions(model_name="stub", root="/stub", vocab_size=512, max_model_len=128)
     state = ServerState(backend, TOK, ChatTemplate(None, TOK.encode), opts, **kw)

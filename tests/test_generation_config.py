@@ -160,7 +160,11 @@ def test_generate_end_to_end_reports_the_files_defaults(ckpt, capsys):
     cap = capsys.readouterr()
     rec = json.loads(cap.out.strip().splitlines()[-1])
     assert (rec["temperature"], rec["top_p"], rec["top_k"], len(rec["tokens"])) == (0.6, 0.95, 7, 3)
-    assert "ignored (unsupported): length_penalty" in cap.err and "repetition_penalty=1.1" in cap.err and "generation_config.json" in cap.err
+    assert (
+        "ignored (unsupported): length_penalty" in cap.err
+        and "repetition_penalty=1.1" in cap.err
+        and "generation_config.json" in cap.err
+    )
     assert main([*base, "--quiet", "--generation-config", "none", "--max-new-tokens", "2"]) == 0
     rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (rec["temperature"], rec["top_p"], rec["top_k"], len(rec["tokens"])) == (0.0, 1.0, 0, 2)
@@ -202,8 +206,8 @@ class RecordingBackend:
 
 
 def _serve_params(gen, body, chat=False):
+    from hmoe_jax.serve.chat_template import ChatTemplate
     from hmoe_jax.serve.http import ServeOptions, ServerState, create_app
-    from hmoe_jax.serve.openai_protocol import ChatTemplate
 
     tok = ByteTokenizer(512)
     backend = RecordingBackend()

@@ -145,8 +145,8 @@ def test_http_n_shares_the_prefill_and_equals_solo():
     from fastapi.testclient import TestClient
 
     from hmoe_jax.io.tokenizer import ByteTokenizer
+    from hmoe_jax.serve.chat_template import ChatTemplate
     from hmoe_jax.serve.http import ServeOptions, ServerState, create_app
-    from hmoe_jax.serve.openai_protocol import ChatTemplate
 
     cfg, _, prompt = model()
     tok = ByteTokenizer(cfg.vocab_size)

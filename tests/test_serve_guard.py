@@ -12,9 +12,9 @@ import socket
 import pytest
 from fastapi.testclient import TestClient
 
+from hmoe_jax.serve.chat_template import ChatTemplate
 from hmoe_jax.serve.guard import default_allowed_hosts, host_name, parse_allowed_hosts
 from hmoe_jax.serve.http import ServeOptions, ServerState, create_app
-from hmoe_jax.serve.openai_protocol import ChatTemplate
 from tests.serve_stub import TOK, StubBackend, ids, uvicorn_thread
 
 BODY = {"model": "stub", "prompt": "hi", "max_tokens": 3, "temperature": 0}

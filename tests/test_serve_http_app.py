@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from hmoe_jax.serve.openai_protocol import ApiError, ChatMessage, ChatTemplate, TextStream
+from hmoe_jax.serve.chat_template import ChatTemplate
+from hmoe_jax.serve.openai_protocol import ApiError, ChatMessage, TextStream
 from tests.serve_stub import BODY, TOK, StubBackend, app_for, ids
 
 

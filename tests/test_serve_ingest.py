@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from hmoe_jax.io.tokenizer import ByteTokenizer, load_tokenizer
+from hmoe_jax.serve.chat_template import ChatTemplate
 from hmoe_jax.serve.ingest import Ingest
-from hmoe_jax.serve.openai_protocol import ApiError, ChatMessage, ChatTemplate
+from hmoe_jax.serve.openai_protocol import ApiError, ChatMessage
 
 SHIPPED = Path(__file__).resolve().parents[1] / "hmoe_jax" / "assets" / "deepseek_v3_stdlib"
 

@@ -61,7 +61,7 @@ def ref():
     from hmoe_jax.engine.engine import Engine
     from hmoe_jax.io.loader import load_checkpoint
     from hmoe_jax.io.tokenizer import load_tokenizer
-    from hmoe_jax.serve.openai_protocol import ChatTemplate
+    from hmoe_jax.serve.chat_template import ChatTemplate
 
     ckpt = Path(CHECKPOINT["root"])
     cfg, params = load_checkpoint(ckpt, progress=False)

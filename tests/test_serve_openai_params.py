@@ -14,8 +14,8 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
+from hmoe_jax.serve.chat_template import ChatTemplate
 from hmoe_jax.serve.http import ServeOptions, ServerState, create_app
-from hmoe_jax.serve.openai_protocol import ChatTemplate
 from tests.serve_stub import TOK, StubBackend, ids
 
 BODY = {"model": "stub", "prompt": "hi", "max_tokens": 2, "temperature": 0}

@@ -142,9 +142,9 @@ def _metrics_app(pd: PDCoordinator):
     """The HTTP app on this coordinator, wired as `hmoe serve --pd` wires it: its /metrics."""
     from fastapi.testclient import TestClient
 
+    from hmoe_jax.serve.chat_template import ChatTemplate
     from hmoe_jax.serve.http import ServeOptions, ServerState, create_app
     from hmoe_jax.serve.metrics import parse_metrics
-    from hmoe_jax.serve.openai_protocol import ChatTemplate
     from tests.serve_stub import TOK
 
     opts = ServeOptions(model_name="pd", root="/pd", vocab_size=pd.cfg.vocab_size, max_model_len=MAX_LEN)

@@ -13,8 +13,8 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
+from hmoe_jax.serve.chat_template import ChatTemplate
 from hmoe_jax.serve.http import ServeOptions, ServerState, create_app
-from hmoe_jax.serve.openai_protocol import ChatTemplate
 from hmoe_jax.serve.reasoning import ReasoningStream, split_reasoning
 from hmoe_jax.serve.tool_parser import ToolCallStream
 from tests.serve_stub import TOK, StubBackend, ids

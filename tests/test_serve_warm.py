@@ -22,9 +22,9 @@ from hmoe_jax.engine.engine import Engine
 from hmoe_jax.io.loader import load_checkpoint
 from hmoe_jax.io.synthetic import ensure_default_checkpoint
 from hmoe_jax.model.sampling import SamplingParams
+from hmoe_jax.serve.chat_template import ChatTemplate
 from hmoe_jax.serve.http import ServeOptions, ServerState, create_app
 from hmoe_jax.serve.http_server import start_warm_up
-from hmoe_jax.serve.openai_protocol import ChatTemplate
 from hmoe_jax.serve.scheduler import Scheduler
 
 

@@ -251,8 +251,8 @@ def client():
     import openai
     from fastapi.testclient import TestClient
 
+    from hmoe_jax.serve.chat_template import ChatTemplate
     from hmoe_jax.serve.http import ServeOptions, ServerState, create_app
-    from hmoe_jax.serve.openai_protocol import ChatTemplate
     from hmoe_jax.serve.scheduler import Scheduler
 
     cfg, _ = model()

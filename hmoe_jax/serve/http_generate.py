@@ -21,7 +21,7 @@ from hmoe_jax.serve.request import RequestError, RequestHandle
 from hmoe_jax.serve.servetrace import HTTP
 
 if TYPE_CHECKING:
-    from hmoe_jax.serve.http import ServerState
+    from hmoe_jax.serve.server_state import ServerState
 
 
 @dataclasses.dataclass

@@ -33,8 +33,8 @@ from typing import Any
 
 import uvicorn
 
+from hmoe_jax.serve.chat_template import ChatTemplate
 from hmoe_jax.serve.http import ServeOptions, ServerState, create_app
-from hmoe_jax.serve.openai_protocol import ChatTemplate
 from hmoe_jax.serve.reasoning import check_parser
 
 

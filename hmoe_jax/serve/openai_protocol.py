@@ -500,16 +500,6 @@ def check_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> list[int
     return list(ids)
 
 
-def __getattr__(name: str) -> Any:
-    # ChatTemplate lives in chat_template.py (which imports this module); kept importable
-    # from here for the callers that always did.
-    if name in ("ChatTemplate", "DEFAULT_CHAT_TEMPLATE"):
-        from hmoe_jax.serve import chat_template
-
-        return getattr(chat_template, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __all__ = [
     "ApiError",
     "ChatCompletionRequest",

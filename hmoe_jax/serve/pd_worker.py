@@ -160,7 +160,7 @@ def warm_up(eng: Any, role: str) -> None:
             kvshm.import_prefix(eng.pool, seqs[0].row, meta)
         for s in seqs:
             s.pos, s.tokens = WARM_PROMPT_TOKENS, [1]
-        from hmoe_jax.serve.scheduler import decode_kv_buckets
+        from hmoe_jax.serve.scheduler_warmup import decode_kv_buckets
 
         for b in range(1, min(len(seqs), eng.max_batch) + 1):
             for kv in decode_kv_buckets(eng.max_len):  # attention compiles per KV prefix bucket
@@ -175,7 +175,12 @@ def warm_up(eng: Any, role: str) -> None:
 
 def _stats(eng: Any) -> dict[str, Any]:
     compiles = _COMPILES.compiles if _COMPILES is not None else None
-    return {"free_rows": len(eng.pool.free_rows), "rows": eng.pool.rows, "pid": os.getpid(), "compiles": compiles}
+    return {
+        "free_rows": len(eng.pool.free_rows),
+        "rows": eng.pool.rows,
+        "pid": os.getpid(),
+        "compiles": compiles,
+    }
 
 
 def _err(ex: BaseException) -> str:

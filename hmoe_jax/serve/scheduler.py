@@ -45,16 +45,14 @@ import numpy as np
 from hmoe_jax.engine.dual import dual_step, split_micro_batches
 from hmoe_jax.engine.engine import Engine, SeqState
 from hmoe_jax.model.sampling import SamplingParams
-from hmoe_jax.plan.buckets import cache_len, prefill_buckets
+from hmoe_jax.plan.buckets import cache_len
 from hmoe_jax.plan.trace import TraceRecorder
-from hmoe_jax.policies.base import Chunk, Decode, Policy, Prefill, View
+from hmoe_jax.policies.base import Chunk, Decode, Policy, Prefill
 from hmoe_jax.policies.core import CoreRunner, RequestState, ServingCore
 from hmoe_jax.policies.registry import DEFAULT_POLICY, get_policy
-from hmoe_jax.runtime.run import decode_kv_len
 from hmoe_jax.serve.request import Request, RequestHandle, new_request
+from hmoe_jax.serve.scheduler_warmup import WarmUp, _arm, decode_kv_buckets  # noqa: F401 (re-exported)
 from hmoe_jax.serve.servetrace import SCHED, CompileListener, span
-
-MAX_WARM_PREFILLS = 8  # padded chunk shapes warm_up prefills at most (prefill_warm_lengths)
 
 
 @dataclasses.dataclass
@@ -82,7 +80,7 @@ class _Group:
     ttft_s: float = 0.0  # that member's prefill time (seconds)
 
 
-class Scheduler(CoreRunner):
+class Scheduler(WarmUp, CoreRunner):
     """Options: policy (a registered name or a Policy), **policy_options; trace (a
     TraceRecorder: the loop's phases go to its `sched` track and compiles to `compile`,
     serve/servetrace.py; with trace_engine, every engine op too: Perfetto); clock
@@ -481,116 +479,6 @@ class Scheduler(CoreRunner):
         else:
             self.engine.step(seqs, trace)
 
-    def warm_up(self, max_batch: int | None = None, *, rounds: int = 3, pos: int = 128) -> dict[str, Any]:
-        """Before serving: compile the decode step of every batch size 1..max_batch (default
-        the engine's rows), and where the policy's decode choice depends on measured steps
-        (it asks to measure), time each arm it compares `rounds` times, interleaved, on
-        scratch pool rows at position `pos`, and give the core their medians. Serving then
-        neither compiles a decode shape nor measures on live requests. Returns what it did:
-        seconds per phase and the arms' medians."""
-        eng = self.engine
-        cap = min(int(max_batch or eng.max_batch), len(eng.pool.free_rows))
-        pos = min(int(pos), eng.max_len - rounds * 2 - 2)
-        out: dict[str, Any] = {"batches": cap, "compile_s": 0.0, "measure_s": 0.0, "arms": {}}
-        seqs = [
-            eng.admit([1], SamplingParams(max_new_tokens=eng.max_len - 1, stop_ids=())) for _ in range(cap)
-        ]
-        try:
-            for s in seqs:
-                s.tokens, s.pos = [1], pos
-            t0 = time.perf_counter()
-            kv_buckets = decode_kv_buckets(eng.max_len)
-            for b in range(1, cap + 1):
-                with span(self.trace, SCHED, "warm_up", batch=b):
-                    self._run_step(seqs[:b], 1, False)
-                    self._run_step(seqs[:b], 1, True)  # the traced (measured) plain arm
-                    # a decode step's attention compiles per batch and per KV prefix bucket
-                    # (runtime/run.py decode_kv_len): every bucket up to max_len, once
-                    for kv in kv_buckets:
-                        for s in seqs[:b]:
-                            s.tokens, s.pos = [1], kv - 1
-                        self._run_step(seqs[:b], 1, False)
-            out["kv_buckets"] = kv_buckets
-            out["compile_s"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            arms = sorted({a for b in range(2, cap + 1) for a in self._arms_to_measure(b)})
-            for arm in arms:  # compile each dual arm's traced halves once, untimed
-                self._run_step(seqs[: arm[0]], arm[1], True)
-            times: dict[tuple[int, int], list[float]] = {arm: [] for arm in arms}
-            for _ in range(rounds):
-                for arm in arms:
-                    for s in seqs:  # rewind: every arm decodes the same positions
-                        s.tokens, s.pos = [1], pos
-                    t = time.perf_counter()
-                    self._run_step(seqs[: arm[0]], arm[1], True)
-                    times[arm].append(time.perf_counter() - t)
-            for arm, ts in times.items():
-                self.core.measured(arm, float(np.median(ts)))
-                out["arms"][f"{arm[0]}x{arm[1]}"] = float(np.median(ts))
-            out["measure_s"] = time.perf_counter() - t0
-        finally:
-            for s in seqs:
-                eng.cancel(s)
-        t0 = time.perf_counter()
-        out["prefill_prompts"] = self._warm_prefill()
-        out["prefill_s"] = time.perf_counter() - t0
-        return out
-
-    def prefill_warm_lengths(self) -> list[int]:
-        """The prompt lengths whose prefill shapes warm_up compiles: one prompt per padded
-        chunk shape the policy's chunks can run (plan/buckets.py prefill_buckets of its
-        chunk_tokens, within long_prompt_tokens and max_len). Engine.prefill_seq pads every
-        cpu chunk to one of these, and the prefill programs depend on the chunk's shape
-        only (the start position and the real length are traced), so after warm-up no
-        chunked prompt compiles. Not covered: a chunk whose padded tail does not fit its
-        row (run at its exact length: only when chunk_tokens does not divide max_len) and
-        the background (long-prompt) prefills of private caches."""
-        o = self.policy.options
-        chunk = int(o.get("chunk_tokens") or 0)
-        if chunk < 1:
-            return []
-        limit = min(int(o.get("long_prompt_tokens") or self.engine.max_len), self.engine.max_len - 1)
-        lengths = [b for b in prefill_buckets(min(chunk, limit)) if b < self.engine.max_len]
-        # at most MAX_WARM_PREFILLS prompts (the paper policy's 512-token chunks need 4)
-        return lengths[-MAX_WARM_PREFILLS:]
-
-    def _warm_prefill(self) -> list[int]:
-        """Run each prefill_warm_lengths() prompt on a scratch pool row as one cpu chunk
-        (its padded shape, sampling the first token), so no client's chunk compiles."""
-        eng = self.engine
-        done = []
-        for n in self.prefill_warm_lengths():
-            if not eng.pool.free_rows:
-                break
-            seq = eng.admit([1] * n, SamplingParams(max_new_tokens=1, stop_ids=()))
-            try:
-                with span(self.trace, SCHED, "warm_up_prefill", tokens=n):
-                    eng.prefill_seq(seq, "cpu")
-            finally:
-                eng.cancel(seq)  # a no-op once the first token ended it (its row is freed)
-            done.append(n)
-        return done
-
-    def _arms_to_measure(self, batch: int) -> list[tuple[int, int]]:
-        """The (batch, micro-batches) arms the policy would measure for `batch` decoding
-        requests: ask it with a View of that many decoding requests until it stops asking."""
-        arms: list[tuple[int, int]] = []
-        times: dict[tuple[int, int], float] = {}
-        ids = tuple(range(batch))
-        for _ in range(4):
-            view = View(
-                now_s=0.0, devices=self.core.devices, free_rows=0, waiting=(), decoding=ids, step_times=times
-            )
-            acts = [a for a in self.policy.decide(view) if isinstance(a, Decode) and a.measure]
-            if not acts:
-                break
-            arm = _arm(len(acts[0].requests), acts[0].micro_batches)
-            if arm in times:
-                break
-            arms.append(arm)
-            times[arm] = 1.0
-        return arms
-
     # ------------------------------------------------------------ endings
 
     def _do_cancel(self, rid: int) -> None:
@@ -618,18 +506,6 @@ class Scheduler(CoreRunner):
     def _fail_all(self, why: str) -> None:
         for e in list(self._entries.values()):
             self._error(e, RuntimeError(why))
-
-
-def decode_kv_buckets(max_len: int) -> list[int]:
-    """Every KV prefix length a decode step of a max_len row can read (decode_kv_len of
-    each position): powers of two from 64, capped at max_len."""
-    return sorted(
-        {decode_kv_len(t, max_len) for t in [1, max_len] + [1 << k for k in range(6, 31)] if t <= max_len}
-    )
-
-
-def _arm(batch: int, micro_batches: int) -> tuple[int, int]:
-    return batch, 2 if micro_batches >= 2 and batch >= 2 else 1
 
 
 __all__ = ["Scheduler"]
