@@ -132,6 +132,9 @@ def test_serve_passes_require_gpu_to_its_engines(monkeypatch):
         def wait_ready(self):
             return self
 
+        def restarts(self):
+            return {}
+
         def close(self):
             pass
 
