@@ -109,8 +109,16 @@ class Server:
         return parse_metrics(httpx.get(f"{self.url}/metrics", timeout=30).text)
 
 
-def start_server(log: Path, *extra: str, timeout_s: float = 600, env: dict | None = None) -> Server:
+def start_server(
+    log: Path, *extra: str, timeout_s: float = 600, env: dict | None = None, warm: bool = False
+) -> Server:
+    """`hmoe serve` on a free port, ready (/health 200). warm=False (the default) starts it
+    with --no-warmup: a test compiles the few shapes it uses on its first requests instead of
+    every decode batch x KV bucket and prefill chunk shape warm-up compiles (~35 s more per
+    start on 2 cores); tests/test_serve_warm.py checks warm-up itself."""
     cmd = [sys.executable, "-m", "hmoe_jax.cli", "serve", "--port", "0", "--quiet"]
+    if not warm and "--no-warmup" not in extra:
+        cmd.append("--no-warmup")
     cmd += ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS)]
     # Greedy by default, as `solo` (the reference) is: the shipped model's generation_config.json
     # would make requests without a temperature sample (a later --generation-config in extra wins).

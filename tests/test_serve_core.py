@@ -204,7 +204,7 @@ def test_pd_coordinator_honours_the_policys_options():
 
     ckpt = ensure_default_checkpoint(progress=False)
     with PDCoordinator(
-        ckpt, "fcfs", engine={"precision": "f32", "max_len": 128}, schedule="cpu", decode_cap=1
+        ckpt, "fcfs", engine={"precision": "f32", "max_len": 128}, schedule="cpu", decode_cap=1, warm_up=False
     ) as pd:
         pd.wait_ready(300)
         hs = [pd.submit([5, 17, 2, 99, 41], SamplingParams(max_new_tokens=4, stop_ids=())) for _ in range(2)]

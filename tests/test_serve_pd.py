@@ -48,7 +48,7 @@ def solo(ckpt):
 
 @pytest.fixture(scope="module")
 def pd(ckpt):
-    c = PDCoordinator(ckpt, engine={**ENGINE, "max_len": MAX_LEN}, touch_weights=True)
+    c = PDCoordinator(ckpt, engine={**ENGINE, "max_len": MAX_LEN}, touch_weights=True, warm_up=False)
     c.wait_ready(300)
     yield c
     c.close()

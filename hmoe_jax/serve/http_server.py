@@ -220,7 +220,12 @@ def build_state(args: argparse.Namespace, run: Any) -> tuple[ServerState, Callab
             engine_opts["system"] = load_system(args.system, per_worker)
         engine_opts["expert_fn"] = args.expert_fn
         backend = PDCoordinator(
-            run.checkpoint, policy, engine=engine_opts, prefill_devices=per_worker, decode_devices=per_worker
+            run.checkpoint,
+            policy,
+            engine=engine_opts,
+            prefill_devices=per_worker,
+            decode_devices=per_worker,
+            warm_up=not args.no_warmup,  # each worker warms itself (pd_worker.warm_up)
         ).wait_ready()
         probes.update(healthy=lambda: backend.healthy, worker_restarts=backend.restarts)
         max_model_len = cache_len(max_len)

@@ -128,7 +128,8 @@ class PDCoordinator(CoreRunner):
     ({"prefill": (0,), "decode": (1,)}; default on a GPU host: the first GPUs to prefill,
     the next to decode), engine (Engine options for both workers: one precision, or the KV
     will not fit; max_batch defaults to the policy's decode_cap), max_restarts,
-    touch_weights (fault every weight page in, for PSS measurements). A policy P/D cannot
+    touch_weights (fault every weight page in, for PSS measurements), warm_up (each worker compiles
+    what its role runs before it reports ready, also after a restart). A policy P/D cannot
     run raises PolicyError naming what it asks for."""
 
     def __init__(
@@ -142,6 +143,7 @@ class PDCoordinator(CoreRunner):
         engine: dict[str, Any] | None = None,
         max_restarts: int = 5,
         touch_weights: bool = False,
+        warm_up: bool = True,
         **policy_options: Any,
     ):
         policy = get_policy(policy, **policy_options) if isinstance(policy, str) else policy
@@ -165,7 +167,9 @@ class PDCoordinator(CoreRunner):
             gpu_ids = {"prefill": tuple(range(prefill_devices)),
                        "decode": tuple(range(prefill_devices, prefill_devices + decode_devices))}  # fmt: skip
         self.workers = {
-            r: _Worker(WorkerSpec(r, self.arena, devs[r], (gpu_ids or {}).get(r), opts, touch_weights))
+            r: _Worker(
+                WorkerSpec(r, self.arena, devs[r], (gpu_ids or {}).get(r), opts, touch_weights, warm_up)
+            )
             for r in ROLES
         }
         self._lock = threading.Condition()

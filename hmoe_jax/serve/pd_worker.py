@@ -52,6 +52,7 @@ class WorkerSpec:
     gpu_ids: tuple[int, ...] | None = None
     engine: dict[str, Any] = dataclasses.field(default_factory=dict)
     touch: bool = False
+    warm: bool = True  # compile what the role runs before reporting ready (warm_up)
 
 
 def _configure_devices(spec: WorkerSpec) -> None:
@@ -104,7 +105,8 @@ def main(spec: WorkerSpec, conn: Any) -> None:
 
         _COMPILES = CompileListener().install()
         t_warm = time.perf_counter()
-        warm_up(eng, spec.role)
+        if spec.warm:
+            warm_up(eng, spec.role)
         info = {
             "warm_up_s": time.perf_counter() - t_warm,
             "warm_up_compiles": _COMPILES.compiles,
