@@ -90,24 +90,8 @@ def parse_generation_config(path: Path, raw: Any) -> GenerationDefaults:
     if not isinstance(raw, dict):
         raise CheckpointError(f"{path}: expected a JSON object, got {type(raw).__name__}")
     got = {k: v for k, v in raw.items() if v is not None}
-    temperature = top_p = None
-    top_k = max_new = None
-    if "temperature" in got:
-        temperature = _number(path, "temperature", got["temperature"])
-        if temperature < 0:
-            raise CheckpointError(f"{path}: 'temperature' must be >= 0, got {temperature}")
-    if "top_p" in got:
-        top_p = _number(path, "top_p", got["top_p"])
-        if not 0 < top_p <= 1:
-            raise CheckpointError(f"{path}: 'top_p' must be in (0, 1], got {top_p}")
-    if "top_k" in got:
-        top_k = _integer(path, "top_k", got["top_k"])
-        if top_k < 0:
-            raise CheckpointError(f"{path}: 'top_k' must be >= 0 (0 = off), got {top_k}")
-    if "max_new_tokens" in got:
-        max_new = _integer(path, "max_new_tokens", got["max_new_tokens"])
-        if max_new < 1:
-            raise CheckpointError(f"{path}: 'max_new_tokens' must be >= 1, got {max_new}")
+    vals = _checked(path, got)
+    temperature = vals["temperature"]
     if "do_sample" in got:
         if not isinstance(got["do_sample"], bool):
             raise CheckpointError(f"{path}: 'do_sample' must be true or false, got {got['do_sample']!r}")
@@ -115,29 +99,44 @@ def parse_generation_config(path: Path, raw: Any) -> GenerationDefaults:
             temperature = 0.0  # HF: do_sample=false is greedy whatever the temperature says
         elif temperature is None:
             temperature = 1.0  # HF's default temperature when sampling
-    penalties = _penalties(path, got)
-    used = {"temperature", "top_p", "top_k", "max_new_tokens", "do_sample", *_PENALTY_RANGES}
+    penalties = {k: vals[k] for k in _PENALTIES}
+    used = {*_FIELDS, "do_sample"}
     ignored = tuple(sorted(k for k in got if k not in used and k not in _METADATA))
-    return GenerationDefaults(temperature, top_p, top_k, max_new, **penalties, source=path, ignored=ignored)
+    return GenerationDefaults(
+        temperature,
+        vals["top_p"],
+        vals["top_k"],
+        vals["max_new_tokens"],
+        **penalties,
+        source=path,
+        ignored=ignored,
+    )
 
 
-# The processor defaults vLLM also reads from the file, with the ranges its request fields
-# allow (OpenAI's [-2, 2] for presence / frequency; HF's > 0 for the repetition penalty).
-_PENALTY_RANGES = {
-    "repetition_penalty": (lambda x: x > 0, "> 0"),
-    "min_p": (lambda x: 0 <= x <= 1, "in [0, 1]"),
-    "presence_penalty": (lambda x: -2 <= x <= 2, "in [-2, 2]"),
-    "frequency_penalty": (lambda x: -2 <= x <= 2, "in [-2, 2]"),
+# The keys read, each with its type and the range its request field allows; the processor
+# defaults (vLLM reads them too): OpenAI's [-2, 2] for presence / frequency, HF's > 0 for the
+# repetition penalty.
+_PENALTIES = ("repetition_penalty", "min_p", "presence_penalty", "frequency_penalty")
+_FIELDS = {
+    "temperature": (_number, lambda x: x >= 0, ">= 0"),
+    "top_p": (_number, lambda x: 0 < x <= 1, "in (0, 1]"),
+    "top_k": (_integer, lambda x: x >= 0, ">= 0 (0 = off)"),
+    "max_new_tokens": (_integer, lambda x: x >= 1, ">= 1"),
+    "repetition_penalty": (_number, lambda x: x > 0, "> 0"),
+    "min_p": (_number, lambda x: 0 <= x <= 1, "in [0, 1]"),
+    "presence_penalty": (_number, lambda x: -2 <= x <= 2, "in [-2, 2]"),
+    "frequency_penalty": (_number, lambda x: -2 <= x <= 2, "in [-2, 2]"),
 }
 
 
-def _penalties(path: Path, got: dict[str, Any]) -> dict[str, float | None]:
-    out: dict[str, float | None] = {}
-    for key, (ok, words) in _PENALTY_RANGES.items():
+def _checked(path: Path, got: dict[str, Any]) -> dict[str, Any]:
+    """Each _FIELDS key: its value, typed and range-checked (CheckpointError naming the key), or None."""
+    out: dict[str, Any] = {}
+    for key, (parse, ok, words) in _FIELDS.items():
         if key not in got:
             out[key] = None
             continue
-        value = _number(path, key, got[key])
+        value = parse(path, key, got[key])
         if not ok(value):
             raise CheckpointError(f"{path}: {key!r} must be {words}, got {value}")
         out[key] = value
