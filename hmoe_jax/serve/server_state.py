@@ -102,15 +102,25 @@ class ServerState:
             )
 
     def admit(self, ids: list[int], params: Any, arrival_s: float) -> RequestHandle:
-        self.check_room()
+        (h,) = self._submitted(lambda: [self.backend.submit(ids, params)], 1, arrival_s)
+        return h
+
+    def _submitted(
+        self, submit: Callable[[], list[RequestHandle]], n: int, arrival_s: float
+    ) -> list[RequestHandle]:
+        """Room for n more (429 / 503), then the backend's submit: its ValueError (bad input
+        found by the backend) a 400, its RuntimeError (closed, no worker) a 503; the handles
+        join the live set."""
+        self.check_room(n)
         try:
-            h = self.backend.submit(ids, params)
+            hs = submit()
         except ValueError as e:
             raise P.ApiError(400, str(e)) from None
         except RuntimeError as e:  # closed / no worker
             raise P.ApiError(503, str(e), type="service_unavailable") from None
-        self.live[h.id] = _Live(h, arrival_s)
-        return h
+        for h in hs:
+            self.live[h.id] = _Live(h, arrival_s)
+        return hs
 
     def admit_all(self, jobs: list[tuple[list[int], Any]], arrival_s: float) -> list[RequestHandle]:
         """Admit every (prompt ids, params) of one HTTP request, or none: when one is refused,
@@ -137,16 +147,7 @@ class ServerState:
     def admit_group(self, ids: list[int], params: list[Any], arrival_s: float) -> list[RequestHandle]:
         """Admit the requests of one prompt through the backend's submit_group (all or none):
         the Scheduler prefills the prompt once for all of them and forks it."""
-        self.check_room(len(params))
-        try:
-            hs = self.backend.submit_group(ids, params)
-        except ValueError as e:
-            raise P.ApiError(400, str(e)) from None
-        except RuntimeError as e:  # closed / no worker
-            raise P.ApiError(503, str(e), type="service_unavailable") from None
-        for h in hs:
-            self.live[h.id] = _Live(h, arrival_s)
-        return hs
+        return self._submitted(lambda: self.backend.submit_group(ids, params), len(params), arrival_s)
 
     def cancel(self, h: RequestHandle) -> None:
         """Cancel a request nobody reads any more (client gone, stop string seen); the
