@@ -83,6 +83,7 @@ async def generate(
             f"{opt.max_in_flight} requests in flight",
             param="n",
         )
+    echo = getattr(req, "echo", False)
     jobs, meta = [], []
     for ids, prompt_text in prompts:
         if not ids:
@@ -91,11 +92,12 @@ async def generate(
             req, len(ids), opt.max_model_len, chat=chat, default_max_tokens=gen.max_new_tokens
         )
         base = P.sampling_params(req, n_new, gen, vocab_size=opt.vocab_size, eos_ids=opt.eos_ids)
+        # the echoed text: the prompt as given, or its ids decoded (once for its n samples)
+        shown = (prompt_text if prompt_text is not None else state.tokenizer.decode(ids)) if echo else None
         for seed in P.sample_seeds(req, base.temperature, req.n):
             jobs.append((ids, dataclasses.replace(base, seed=seed)))
-            meta.append((ids, prompt_text))
+            meta.append((ids, shown))
     handles = state.admit_all(jobs, arrival)
-    echo = getattr(req, "echo", False)
     stops = P.stop_strings(req)
     tools_on = chat and req.tools_on()
     post = (
@@ -109,10 +111,10 @@ async def generate(
             h,
             P.TextStream(state.tokenizer.decode, stops),
             ids,
-            (text if text is not None else state.tokenizer.decode(ids)) if echo else None,
+            shown,
             post=post() if post else None,
         )
-        for i, (h, (ids, text)) in enumerate(zip(handles, meta))
+        for i, (h, (ids, shown)) in enumerate(zip(handles, meta))
     ]
     out = P.ResponseBuilder(
         opt.model_name,
