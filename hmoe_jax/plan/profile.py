@@ -77,6 +77,18 @@ SCHEMA: dict[str, dict[str, _R]] = {
         # the INT4 expert kernel's bytes/s / sustained read (absent: INT4 is not projected)
         "int4_expert_bw_efficiency": (float, False, "frac"),
         "copy_gbps": (float, False, "pos"),  # the staging ring's copy threads (absent: no own cap)
+        # interference beyond fair sharing (sim/interference.py): the staging ring's memcpy
+        # threads, each a busy core while it copies (absent: copies take no cores)
+        "copy_threads": (int, False, "count"),
+        # total read rate of two concurrent DRAM streams / one stream alone, the capacity of a
+        # dram<n> resource while more than one phase uses it (absent: 1, no co-run loss)
+        "dram_corun_efficiency": (float, False, "frac"),
+        # "process": the CPU MoE op holds a process-wide mutex (xla_ffi/src/moe_exec.cc
+        # run_moe), so experts_cpu ops of different engines queue; "none": they share cores
+        "expert_op_serialised": (str, False, ("process", "none")),
+        # the inter-socket links' bandwidth, both directions together, that the far-node share
+        # of host bytes a copy or DMA touches crosses (absent: free; not used with 1 node)
+        "xsocket_gbps": (float, False, "pos"),
     },
     "accelerator": {
         "count": (int, True, "count"),
@@ -148,6 +160,15 @@ ABSENT_DEFAULTS: dict[str, str] = {
     "accelerator.attn_expanded_tflops": "expanded-form prefill attention at the GEMM rate (compute dtype x compute_efficiency)",
     "accelerator.weight_convert_gbps": "free FP8 dequantisation in experts_acc (no cost beyond the weight reads)",
     "overheads.step_s": "0 s of host work per engine step outside its plan",
+    "cpu.copy_threads": "staging copies take no host cores (a memcpy thread is not counted as a busy core)",
+    "cpu.dram_corun_efficiency": "1.0: concurrent DRAM streams share the full read rate (no co-run loss)",
+    "cpu.expert_op_serialised": "none: experts_cpu ops of different engines share the cores fairly (no process-wide lock)",
+    "cpu.xsocket_gbps": "free inter-socket traffic (the far-node share of copy / DMA bytes costs nothing extra)",
+}
+# an absent key that is no default on some profiles: it is then not listed as assumed
+_UNUSED_WHEN: dict[str, Any] = {
+    # one NUMA node has no far node: no byte crosses a socket, absent or not
+    "cpu.xsocket_gbps": lambda values: int(values["cpu"]["numa_nodes"]) < 2,
 }
 WHATIF_SRC = "what-if: --set"  # the source of a value a caller overrides (Profile.with_values)
 
@@ -196,6 +217,7 @@ class Profile:
             d: why
             for d, why in ABSENT_DEFAULTS.items()
             if d.split(".")[1] not in self.values[d.split(".")[0]]
+            and not (d in _UNUSED_WHEN and _UNUSED_WHEN[d](self.values))
         }
 
     def with_values(self, overrides: dict[str, Any], why: str = WHATIF_SRC) -> Profile:

@@ -18,6 +18,11 @@ Two layers of contention, as in runtime/executor.py:
   streams on one link each get half of it; a phase bound elsewhere takes only what it can
   use, and the rest goes to the others (work-conserving).
 
+Interference beyond fair sharing (sim/interference.py, each off unless its profile input is
+set): `capacity(resource, users)` is the fraction of a resource left while `users` phases use
+it at once (DRAM co-run loss); a plan resource in `shared_resources` is one queue for every
+run (a process-wide lock: the CPU MoE op's mutex), not one per queue group.
+
 Each op records the resource that bound it over time (its own dominant resource while it ran
 at full speed, the contended resource while it was held back, "overhead" during overheads),
 so a projection error can be traced to an input. Everything is plain floats; no jax.
@@ -88,17 +93,31 @@ class _Run:
 
 
 PriceFn = Callable[[Plan, int, tuple[int, ...]], tuple[Phase, ...]]
+CapacityFn = Callable[[str, int], float]
+# the queue group of a resource every run shares (a process-wide lock): no caller's group
+_PROCESS = ("process-wide lock",)
 
 
 class Simulator:
     """Submit plans (now or later), advance the clock, read the timeline.
 
-    price(plan, op_index, devices) -> phases of that op (sim/pricing.py binds a profile)."""
+    price(plan, op_index, devices) -> phases of that op (sim/pricing.py binds a profile);
+    capacity, shared_resources: interference (module docstring; sim/interference.sim_options
+    builds them from a profile)."""
 
-    def __init__(self, price: PriceFn, *, mode: str = "pipelined"):
+    def __init__(
+        self,
+        price: PriceFn,
+        *,
+        mode: str = "pipelined",
+        capacity: CapacityFn | None = None,
+        shared_resources: frozenset[str] = frozenset(),
+    ):
         if mode not in ("pipelined", "serial"):
             raise SimError(f"simulator: mode {mode!r}, expected 'pipelined' or 'serial'")
         self.price, self.mode = price, mode
+        self.capacity = capacity
+        self.shared_resources = frozenset(shared_resources)
         self.now_s = 0.0
         self.runs: list[_Run] = []
         self.ops: list[_Op] = []
@@ -142,6 +161,8 @@ class Simulator:
         self.runs.append(run)
         for op in plan.ops:
             queue = (run.group, "serial" if self.mode == "serial" else op.resource)
+            if self.mode == "pipelined" and op.resource in self.shared_resources:
+                queue = (_PROCESS, op.resource)  # one lock for the whole process
             phases = self.price(plan, op.id, devs)
             g = len(self.ops)
             self.ops.append(_Op(rid, op.id, queue, phases, len(op.deps)))
@@ -250,6 +271,7 @@ class Simulator:
         for g in work:
             if dom[g] <= 0:
                 out[g] = (float("inf"), "none")
+        cap = self._capacities(work) if self.capacity is not None else {}
         while free:
             load: dict[str, float] = {}
             for g in free:
@@ -258,7 +280,7 @@ class Simulator:
                         load[r] = load.get(r, 0.0) + t / dom[g]
             level, hot = 1.0, None
             for r, ld in load.items():
-                lv = (1.0 - used.get(r, 0.0)) / ld
+                lv = (cap.get(r, 1.0) - used.get(r, 0.0)) / ld
                 if lv < level - 1e-12:
                     level, hot = max(lv, 0.0), r
             if hot is None:
@@ -271,6 +293,20 @@ class Simulator:
                 for r, t in work[g].items():
                     used[r] = used.get(r, 0.0) + level * t / dom[g]
             free.difference_update(frozen)
+        return out
+
+    def _capacities(self, work: Mapping[int, Mapping[str, float]]) -> dict[str, float]:
+        """resource -> the fraction of it left with this many phases using it at once."""
+        users: dict[str, int] = {}
+        for d in work.values():
+            for r, t in d.items():
+                if t > 0:
+                    users[r] = users.get(r, 0) + 1
+        assert self.capacity is not None
+        out = {r: float(self.capacity(r, n)) for r, n in users.items()}
+        for r, c in out.items():
+            if not 0 < c <= 1:
+                raise SimError(f"simulator: capacity of {r!r} with {users[r]} users is {c}, expected (0, 1]")
         return out
 
     def _step(self, until_s: float | None) -> bool:

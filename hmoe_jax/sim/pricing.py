@@ -65,6 +65,7 @@ from hmoe_jax.config import ModelConfig
 from hmoe_jax.plan import costs
 from hmoe_jax.plan.format import Op, Plan
 from hmoe_jax.plan.profile import Profile
+from hmoe_jax.sim import interference
 from hmoe_jax.sim.events import Phase, SimError
 
 ACC_PIECES = frozenset(
@@ -126,6 +127,7 @@ class Rates:
         )
         self.expert_eff = cpu["expert_compute_efficiency"]
         self.peak = cpu["bf16_tflops_per_node"] * TERA
+        self.itf = interference.from_profile(p)  # copy threads' cores, cross-socket bytes
 
     def expert_flops_at(self, rows_per_expert: float) -> float:
         """The expert kernel's flops/s per node at `rows_per_expert`: expert_flops, or with
@@ -228,6 +230,10 @@ def _copy(rates: Rates, nbytes: float, owner: int, overhead_s: float) -> Phase:
     if rates.copy is not None:
         _add(d, f"copy{owner}", nbytes / rates.copy)
     _host(d, rates, 2 * nbytes)
+    # a memcpy reads and writes interleaved host memory: the far node's share crosses sockets
+    interference.add_demand(d, interference.cross_socket_demand(rates.itf, 2 * nbytes))
+    # its threads are busy cores for as long as the copy takes alone (sim/interference.py)
+    interference.add_demand(d, interference.copy_core_demand(rates.itf, max(d.values(), default=0.0)))
     return Phase("copy", d, overhead_s)
 
 
@@ -235,6 +241,8 @@ def _link(rates: Rates, dev: int, nbytes: float, direction: str, overhead_s: flo
     d: dict[str, float] = {}
     _add(d, f"{direction}{dev}", nbytes / (rates.h2d if direction == "h2d" else rates.d2h))
     _host(d, rates, nbytes)
+    # the accelerator's DMA engine sits on one socket: the far node's bytes cross to it
+    interference.add_demand(d, interference.cross_socket_demand(rates.itf, nbytes))
     return Phase(label, d, overhead_s)
 
 

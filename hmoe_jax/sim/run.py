@@ -30,6 +30,7 @@ from hmoe_jax.plan.profile import Profile
 from hmoe_jax.plan.system import SystemSpec
 from hmoe_jax.schedules.registry import get_schedule
 from hmoe_jax.sim.events import Simulator
+from hmoe_jax.sim.interference import sim_options
 from hmoe_jax.sim.pricing import pricer
 from hmoe_jax.sim.reads import with_reads
 
@@ -149,7 +150,7 @@ def time_plan(
 ) -> PlanTime:
     """Simulate one plan alone on the profile's machine."""
     p = with_reads(plan, cfg, expert_format)
-    sim = Simulator(pricer(profile, cfg), mode=mode)
+    sim = Simulator(pricer(profile, cfg), mode=mode, **sim_options(profile))
     rid = sim.submit(p)
     # + the host work of the step outside the plan (inputs, sampling): once, after the plan
     total = sim.run_until(rid=rid) + float(profile.get("overheads", "step_s", 0.0))

@@ -61,6 +61,7 @@ from hmoe_jax.policies.core import (
 )
 from hmoe_jax.policies.registry import DEFAULT_POLICY, get_policy
 from hmoe_jax.sim.events import SimError, Simulator
+from hmoe_jax.sim.interference import sim_options
 from hmoe_jax.sim.pricing import pricer
 from hmoe_jax.sim.reads import with_reads
 from hmoe_jax.sim.run import build_plan
@@ -179,7 +180,13 @@ class SimServer(CoreRunner):
             return memo[key]
 
         self._price = priced
-        self.sim = Simulator(priced)
+        # interference (sim/interference.py); P/D workers are separate OS processes, each
+        # running one plan at a time (dual micro-batches already share their queues), so the
+        # CPU MoE op's process-wide mutex never serialises runs across them
+        self._sim_options = sim_options(self.profile)
+        if pd:
+            self._sim_options.pop("shared_resources", None)
+        self.sim = Simulator(priced, **self._sim_options)
         self._alone: dict[tuple, float] = {}
         self.step_s = float(self.profile.get("overheads", "step_s", 0.0))
         self._sub: dict[int, Profile] = {}
@@ -363,7 +370,7 @@ class SimServer(CoreRunner):
         """These plans started together on an otherwise idle box, sharing one lock per
         resource (as a dual step's micro-batches do): seconds until the last ends, and the
         simulator and runs to read their timelines from."""
-        solo = Simulator(self._price)
+        solo = Simulator(self._price, **self._sim_options)
         rids = [solo.submit(p, group="step") for p in plans]
         return max(solo.run_until(rid=r) for r in rids), solo, rids
 
