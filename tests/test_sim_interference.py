@@ -69,7 +69,10 @@ def test_corun_capacity_returns_when_a_reader_leaves():
 
 def test_corun_efficiency_only_binds_when_the_readers_ask_for_more():
     # 0.3 + 0.3 of the node fits in 0.8 of it: both run at full speed
-    phases = {"a": (Phase("read", {"dram0": 0.3, "cpu0": 1.0}),), "b": (Phase("read", {"dram0": 0.3, "acc0": 1.0}),)}
+    phases = {
+        "a": (Phase("read", {"dram0": 0.3, "cpu0": 1.0}),),
+        "b": (Phase("read", {"dram0": 0.3, "acc0": 1.0}),),
+    }
     sim = _corun_sim(phases, 0.8)
     for name in ("a", "b"):
         b = PlanBuilder(name, 1)
@@ -104,7 +107,9 @@ def test_two_engines_expert_ops_serialise_behind_the_process_mutex():
     assert fair == pytest.approx([2.0, 2.0])  # fair sharing: both at half speed
     assert serial == pytest.approx([1.0, 2.0])  # the mutex: one after the other, first come first
     assert [r["wait_s"] for r in tl] == pytest.approx([0.0, 1.0])
-    opts = interference.sim_options(load_profile("local").with_values({"cpu.expert_op_serialised": "process"}))
+    opts = interference.sim_options(
+        load_profile("local").with_values({"cpu.expert_op_serialised": "process"})
+    )
     assert opts["shared_resources"] == frozenset({"cpu_experts"})
     none = load_profile("local").with_values({"cpu.expert_op_serialised": "none"})
     assert "shared_resources" not in interference.sim_options(none)
@@ -215,4 +220,6 @@ def test_absent_keys_leave_projections_where_they_were():
     bench = named_model_config("deepseek_v3_bench")
     p2 = _bare(load_profile(PAPER)).with_accelerators(2)
     got = SimServer(bench, p2, "fcfs", max_len=512).run([SimRequest(0.0, 16, 30), SimRequest(0.01, 300, 3)])
-    assert [(r.timings()["ttft_s"], r.timings()["tpot_s"]) for r in got] == pytest.approx(BEFORE["paper_serve"])
+    assert [(r.timings()["ttft_s"], r.timings()["tpot_s"]) for r in got] == pytest.approx(
+        BEFORE["paper_serve"]
+    )

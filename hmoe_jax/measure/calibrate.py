@@ -16,7 +16,10 @@ What is measured (about 1-2 minutes on 2 cores), each a median of repeated calls
   128 tokens, expanded at 512) = attn_absorbed_tflops / attn_expanded_tflops
   (measure/standin.py);
 - the staging ring's copy threads (StagingRing, 2 threads, 256 MiB slots) and a hop
-  (jax.device_put between two CPU devices, 8 MiB);
+  (jax.device_put between two CPU devices, 8 MiB); the copy threads the engine sizes here
+  (runtime/staging.size_copy_threads against the hop rate) = copy_threads;
+- DRAM co-run (measure/probes.dram_corun, ~0.5 s): two readers at once over one alone,
+  side by side, median of 9 rounds = dram_corun_efficiency (sim/interference.py);
 - per-op overheads from the engine's own traces on the tiny model (weights in cache, so a
   slice is dispatch + completion): acc pieces, hops, the CPU expert op, stage/load/unload.
 
@@ -217,6 +220,14 @@ def calibrate(quick: bool = False, devices: int = 2) -> dict[str, Any]:
     print(f"[calibrate] read {m['read_gbps']:.1f} GB/s (median of {m['probes']} probes)", flush=True)
     print(f"[calibrate] stand-in gemm {m['gemm']}", flush=True)
     m.update(copy_rates(reps))
+    from hmoe_jax.measure.probes import dram_corun
+    from hmoe_jax.runtime.staging import size_copy_threads
+
+    # the copy threads the engine's ring takes on this box against its host link (the hop
+    # rate stands for h2d_gbps here), as Engine(copy_threads=None) sizes them
+    m["copy_threads"], m["copy_threads_why"] = size_copy_threads(None, m["hop_gbps"])
+    m["dram_corun"] = dram_corun(rounds=9)
+    print(f"[calibrate] dram co-run {m['dram_corun']}", flush=True)
     m["overheads"] = engine_overheads()
     m["mem_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     m["backend"] = jax.default_backend()

@@ -21,6 +21,7 @@ def write_profile(path: Path, m: dict[str, Any]) -> str:
     here = f"measured: hmoe calibrate {day} on {m['cpu_model']}"
     cores = os.cpu_count() or 1
     fx, ix, g = m["fp8_experts"], m["int4_experts"], m["gemm"]
+    co = m["dram_corun"]
     # a loaded neighbour can hold the peak loop below the kernel's own rate: the peak is then
     # the kernel's rate (the product rate x efficiency is what prices an op)
     peak = max(m["bf16_peak_tflops"], fx["prefill_tflops"])
@@ -73,6 +74,19 @@ def write_profile(path: Path, m: dict[str, Any]) -> str:
                 f"{here}: fused INT4 MoE op M=1 {ix['m1_gbps']:.1f} GB/s over its side-by-side read probe {ix['m1_probe_gbps']:.1f} GB/s",
             ),
             "copy_gbps": (m["copy_gbps"], f"{here}: StagingRing fill of 256 MiB, 2 copy threads, median"),
+            "copy_threads": (m["copy_threads"], f"{here}: runtime/staging.size_copy_threads: {m['copy_threads_why']}"),
+            "dram_corun_efficiency": (
+                min(1.0, co["efficiency"]),
+                f"{here}: measure/probes.dram_corun, {co['readers']} readers of {co['mib_per_reader']} MiB "
+                f"({co['threads_per_reader']} thread(s) each) at once {co['corun_gbps']:.1f} GB/s over one "
+                f"alone on all threads {co['alone_gbps']:.1f} GB/s, side by side, median of {co['rounds']} rounds"
+                + (" (above 1: noise, held at 1)" if co["efficiency"] > 1 else ""),
+            ),
+            "expert_op_serialised": (
+                "process",
+                "spec: the CPU MoE op holds a process-wide mutex for its whole run (xla_ffi/src/moe_exec.cc "
+                "run_moe: std::lock_guard on the static Scratch's mu), so engines in one process take turns",
+            ),
         },
         "accelerator": {
             "count": (m["devices"], "measured: stand-in XLA CPU devices the engine uses here (--devices)"),

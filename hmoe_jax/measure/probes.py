@@ -79,3 +79,63 @@ class ReadProbe:
             return None
         self.all_tflops.append(t)
         return t
+
+
+def dram_corun(nbytes: int = 256 << 20, rounds: int = 3, readers: int = 2) -> dict[str, float]:
+    """DRAM co-run efficiency (sim/interference.py, cpu.dram_corun_efficiency): `readers`
+    streams reading their own buffers at once, total bytes/s over one stream alone on the
+    same cores, side by side in each round (this VM's rate moves), the median of the rounds.
+
+    One stream alone is the hmoe_read_bytes probe on all pool threads. The co-run can not
+    use the pool twice (ThreadPool::run serialises its parallel regions, xla_ffi/src/
+    thread_pool.cc), so each reader is a set of Python threads each calling hmoe_read_bytes
+    with num_threads=1 (run on the calling thread, no region lock) over its own slice: the
+    cores are split evenly between the readers, and together they use as many threads as the
+    stream alone. About 0.1-0.5 s on this VM."""
+    import os
+    import statistics
+    import threading
+
+    import jax
+
+    from hmoe_jax.kernels.gemm import read_bytes
+
+    cores = max(readers, os.cpu_count() or 1)
+    per = cores // readers  # threads per reader
+    bufs = [touched_buffer(nbytes) for _ in range(readers)]
+    slices = [[b[i * (nbytes // per) : (i + 1) * (nbytes // per)] for i in range(per)] for b in bufs]
+    jobs = [s for r in slices for s in r]
+    for s in jobs:  # compile both call shapes and warm the pages
+        jax.block_until_ready(read_bytes(s, num_threads=1))
+    jax.block_until_ready(read_bytes(bufs[0]))
+    alone, together, eff = [], [], []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        jax.block_until_ready(read_bytes(bufs[0]))
+        a = nbytes / (time.perf_counter() - t) / 1e9
+        start = threading.Barrier(len(jobs) + 1)
+
+        def read(s):
+            start.wait()
+            jax.block_until_ready(read_bytes(s, num_threads=1))
+
+        th = [threading.Thread(target=read, args=(s,)) for s in jobs]
+        for x in th:
+            x.start()
+        start.wait()
+        t = time.perf_counter()
+        for x in th:
+            x.join()
+        c = sum(int(s.size) for s in jobs) / (time.perf_counter() - t) / 1e9
+        alone.append(a)
+        together.append(c)
+        eff.append(c / a)
+    return {
+        "alone_gbps": statistics.median(alone),
+        "corun_gbps": statistics.median(together),
+        "efficiency": statistics.median(eff),
+        "readers": readers,
+        "threads_per_reader": per,
+        "rounds": rounds,
+        "mib_per_reader": nbytes >> 20,
+    }

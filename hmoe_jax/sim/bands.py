@@ -31,6 +31,7 @@ from hmoe_jax.config import ModelConfig
 from hmoe_jax.plan.format import Plan
 from hmoe_jax.plan.profile import Profile
 from hmoe_jax.plan.system import SystemSpec
+from hmoe_jax.sim import interference
 from hmoe_jax.sim.pricing import Rates, price_op
 from hmoe_jax.sim.reads import with_reads
 
@@ -164,6 +165,11 @@ class PlanPrices:
         if SystemSpec.from_profile(self.base) != SystemSpec.from_profile(other):
             return True
         if self.base.get("overheads", "step_s", 0.0) != other.get("overheads", "step_s", 0.0):
+            return True
+        # DRAM co-run and the serialised expert op act in the event loop, not in an op's price
+        if interference.sim_options(self.base).keys() != interference.sim_options(other).keys() or (
+            interference.from_profile(self.base) != interference.from_profile(other)
+        ):
             return True
         rates = Rates(other)
         return any(
