@@ -74,7 +74,10 @@ def write_profile(path: Path, m: dict[str, Any]) -> str:
                 f"{here}: fused INT4 MoE op M=1 {ix['m1_gbps']:.1f} GB/s over its side-by-side read probe {ix['m1_probe_gbps']:.1f} GB/s",
             ),
             "copy_gbps": (m["copy_gbps"], f"{here}: StagingRing fill of 256 MiB, 2 copy threads, median"),
-            "copy_threads": (m["copy_threads"], f"{here}: runtime/staging.size_copy_threads: {m['copy_threads_why']}"),
+            "copy_threads": (
+                m["copy_threads"],
+                f"{here}: runtime/staging.size_copy_threads: {m['copy_threads_why']}",
+            ),
             "dram_corun_efficiency": (
                 min(1.0, co["efficiency"]),
                 f"{here}: measure/probes.dram_corun, {co['readers']} readers of {co['mib_per_reader']} MiB "

@@ -115,7 +115,7 @@ def dram_corun(nbytes: int = 256 << 20, rounds: int = 3, readers: int = 2) -> di
         a = nbytes / (time.perf_counter() - t) / 1e9
         start = threading.Barrier(len(jobs) + 1)
 
-        def read(s):
+        def read(s, start=start):  # bound now: a fresh barrier each round
             start.wait()
             jax.block_until_ready(read_bytes(s, num_threads=1))
 
