@@ -40,7 +40,9 @@ spread evenly over dram<n>. Op kinds, as runtime/executor.py and runtime/dist_ex
   the nodes (plan.meta["expert_format"] =
   "int4": the INT4 kernel's efficiency; the bytes are already INT4's, sim/reads.py);
 - stage: stage_s, then bytes on copy<i> (the threads' own rate, when the profile has one) and
-  2 x bytes on DRAM (a memcpy reads and writes);
+  2 x bytes on DRAM (a memcpy reads and writes); with cpu.copy_threads its threads' cores on
+  cpu<n>, with cpu.xsocket_gbps the far node's share on "xsocket" (sim/interference.py; a
+  d2h / h2d / load link phase pays the same cross-socket share of its host bytes);
 - load: load_s, then bytes on h2d<i> and DRAM (placement "host": no bytes, the stand-in's
   ring aliases the host slot); without stage ops (double_buffer=False) the load
   first does the memcpy itself (a copy phase, as stage);
