@@ -223,3 +223,26 @@ def test_absent_keys_leave_projections_where_they_were():
     assert [(r.timings()["ttft_s"], r.timings()["tpot_s"]) for r in got] == pytest.approx(
         BEFORE["paper_serve"]
     )
+
+
+def test_bands_see_event_loop_inputs_as_moving():
+    # co-run efficiency and the mutex act in the event loop, not in any op's price: the
+    # band's no-effect check must not skip them
+    from hmoe_jax.sim.bands import PlanPrices
+
+    cfg = named_model_config("deepseek_v3_bench")
+    base = _bare(load_profile("local"))
+    plan, _ = build_plan(cfg, base, "slp", 64)
+    pp = PlanPrices(base, [plan], cfg, "fp8")
+    assert not pp.moves(base)
+    assert pp.moves(base.with_values({"cpu.dram_corun_efficiency": 0.8}))
+    assert pp.moves(base.with_values({"cpu.expert_op_serialised": "process"}))
+
+
+def test_corun_probe_runs_and_reports_a_ratio():
+    from hmoe_jax.measure.probes import dram_corun
+
+    r = dram_corun(nbytes=16 << 20, rounds=1)
+    assert r["readers"] == 2 and r["rounds"] == 1
+    assert r["alone_gbps"] > 0 and r["corun_gbps"] > 0
+    assert r["efficiency"] == pytest.approx(r["corun_gbps"] / r["alone_gbps"])
