@@ -17,6 +17,9 @@ What is measured (about 1-2 minutes on 2 cores), each a median of repeated calls
   (measure/standin.py);
 - the staging ring's copy threads (StagingRing, 2 threads, 256 MiB slots) and a hop
   (jax.device_put between two CPU devices, 8 MiB);
+- the collectives dslp / ep run (all_gather, reduce_scatter, all_to_all under shard_map)
+  between two stand-in devices at 2 (quick) or 3 payload sizes, fitted as latency + bytes /
+  rate (measure/collectives.py): the profile's [collectives];
 - per-op overheads from the engine's own traces on the tiny model (weights in cache, so a
   slice is dispatch + completion): acc pieces, hops, the CPU expert op, stage/load/unload.
 
@@ -217,6 +220,19 @@ def calibrate(quick: bool = False, devices: int = 2) -> dict[str, Any]:
     print(f"[calibrate] read {m['read_gbps']:.1f} GB/s (median of {m['probes']} probes)", flush=True)
     print(f"[calibrate] stand-in gemm {m['gemm']}", flush=True)
     m.update(copy_rates(reps))
+    cpus = jax.devices("cpu")
+    if len(cpus) >= 2:  # the stand-ins' collectives (measure/collectives.py): a few seconds
+        from hmoe_jax.measure.collectives import measure_collectives
+
+        m["collectives"] = measure_collectives(2, quick=quick, repeats=reps, devices=cpus)
+        print(
+            "[calibrate] collectives "
+            + ", ".join(
+                f"{k} {f['latency_s'] * 1e6:.0f} us + B / {f['gbps']:.3f} GB/s"
+                for k, f in m["collectives"].items()
+            ),
+            flush=True,
+        )
     m["overheads"] = engine_overheads()
     m["mem_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     m["backend"] = jax.default_backend()
