@@ -31,7 +31,8 @@ Measurements:
 - decode: the bf16 decode step (ms, untraced median) and its per-op breakdown from a traced
   step in pipelined mode (each op waited for), per hop memory mode (direct, pinned).
 - profile: gpu_profile.measure (link with fresh D2H arrays, GEMMs, memory, attention, op
-  overhead) written over --base.
+  overhead, and with two or more accelerators the collectives dslp / ep run, fitted as
+  latency + bytes / rate) written over --base.
 """
 
 from __future__ import annotations
@@ -572,6 +573,10 @@ def main(argv: list[str] | None = None) -> dict:
         "device": rec["env"]["device_kind"],
         "engine_max_rel_delta": {p: rec["engine"][p]["max_rel_delta"] for p in ("f32", "bf16")},
         "decode_step_ms": {r["requested"]: r.get("step_ms") for r in rec["decode"]},
+        "collectives": {
+            k: (v if k == "skipped" else {"latency_us": v["latency_s"] * 1e6, "gbps": v["gbps"]})
+            for k, v in (m.get("collectives") or {}).items()
+        },
         "seconds": round(seconds["total"], 1),
         "json": str(out / "gpu_check.json"),
         "profile": str(profile),

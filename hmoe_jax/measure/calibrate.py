@@ -20,6 +20,9 @@ What is measured (about 1-2 minutes on 2 cores), each a median of repeated calls
   (runtime/staging.size_copy_threads against the hop rate) = copy_threads;
 - DRAM co-run (measure/probes.dram_corun, ~0.5 s): two readers at once over one alone,
   side by side, median of 9 rounds = dram_corun_efficiency (sim/interference.py);
+- the collectives dslp / ep run (all_gather, reduce_scatter, all_to_all under shard_map)
+  between two stand-in devices at 2 (quick) or 3 payload sizes, fitted as latency + bytes /
+  rate (measure/collectives.py): the profile's [collectives];
 - per-op overheads from the engine's own traces on the tiny model (weights in cache, so a
   slice is dispatch + completion): acc pieces, hops, the CPU expert op, stage/load/unload.
 
@@ -228,6 +231,19 @@ def calibrate(quick: bool = False, devices: int = 2) -> dict[str, Any]:
     m["copy_threads"], m["copy_threads_why"] = size_copy_threads(None, m["hop_gbps"])
     m["dram_corun"] = dram_corun(rounds=9)
     print(f"[calibrate] dram co-run {m['dram_corun']}", flush=True)
+    cpus = jax.devices("cpu")
+    if len(cpus) >= 2:  # the stand-ins' collectives (measure/collectives.py): a few seconds
+        from hmoe_jax.measure.collectives import measure_collectives
+
+        m["collectives"] = measure_collectives(2, quick=quick, repeats=reps, devices=cpus)
+        print(
+            "[calibrate] collectives "
+            + ", ".join(
+                f"{k} {f['latency_s'] * 1e6:.0f} us + B / {f['gbps']:.3f} GB/s"
+                for k, f in m["collectives"].items()
+            ),
+            flush=True,
+        )
     m["overheads"] = engine_overheads()
     m["mem_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     m["backend"] = jax.default_backend()

@@ -15,6 +15,9 @@ Measured (each a median of timed runs after one untimed run; nothing typed in):
 - attention: the engine's blocked MLA prefill attention (model.attention.prefill_attention,
   bf16) of one real DeepSeek-V3 layer at T tokens, TFLOPS by plan.costs.attn_flops.
 - acc_op_s: a tiny jitted op dispatched and waited for.
+- collectives: all_gather / reduce_scatter / all_to_all under shard_map between the first two
+  accelerators, fitted as latency + bytes / rate (measure/collectives.py); skipped (absent from
+  the profile: the simulator's host-staged price) with one accelerator.
 - mem_bytes: the card's PHYSICAL memory (nvidia-smi, engine/gpu.py), not JAX's allocator
   limit (0.75 of the card by default): the plan sizes its own fraction from the card.
 """
@@ -162,6 +165,19 @@ def op_overhead_s(reps: int) -> float:
     return median_time(lambda: f(x), max(reps, 50)).median_s
 
 
+def collectives(smoke: bool, reps: int) -> dict:
+    """The collectives dslp / ep run, between the first two accelerators
+    (measure/collectives.py), or {"skipped": why} with fewer than two."""
+    import jax
+
+    devs = jax.devices()
+    if len(devs) < 2:
+        return {"skipped": f"{len(devs)} {devs[0].platform} device(s): a collective needs two"}
+    from hmoe_jax.measure.collectives import measure_collectives
+
+    return measure_collectives(2, quick=smoke, repeats=reps, devices=devs)
+
+
 def card_memory(allow_cpu: bool = False) -> tuple[int, str]:
     """(bytes, source) of the accelerator's physical memory: nvidia-smi's total for the
     first visible GPU. With allow_cpu and no GPU (the CPU stand-in), the host's RAM."""
@@ -202,6 +218,7 @@ def measure(*, smoke: bool, allow_cpu: bool, reps: int | None = None) -> dict:
         256 if smoke else 4096, reps, "deepseek_v3_tiny" if smoke else "deepseek_v3"
     )
     m["acc_op_s"] = op_overhead_s(reps)
+    m["collectives"] = collectives(smoke, reps)
     m["seconds"] = time.perf_counter() - t0
     return m
 
@@ -252,6 +269,15 @@ def write_profile(base_path: str, out: Path, m: dict) -> None:
     }
     sections = {s: {k: (v, base.src[s][k]) for k, v in kv.items()} for s, kv in base.values.items()}
     sections["accelerator"], sections["link"] = acc, link
+    # the base's [collectives] are its stand-ins' (host copies), not this box's accelerators:
+    # this box's measured ones, else none (the simulator's host-staged price)
+    coll = m.get("collectives") or {}
+    if "skipped" in coll:
+        sections["collectives"] = {}
+    else:
+        from hmoe_jax.measure.collectives import collective_leaves
+
+        sections["collectives"] = collective_leaves(coll, here)
     sections["overheads"]["acc_op_s"] = (
         m["acc_op_s"],
         f"{here}: a tiny jitted op dispatched and waited for, median",

@@ -163,6 +163,10 @@ def write_profile(path: Path, m: dict[str, Any]) -> str:
         m["overheads"]["acc_op_s"],
         "derived: = acc_op_s (a stand-in collective is one more XLA computation; not traced here)",
     )
+    if m.get("collectives"):
+        from hmoe_jax.measure.collectives import collective_leaves
+
+        sec["collectives"] = collective_leaves(m["collectives"], here)
     lines = [
         "# This machine, written by `hmoe calibrate` (hmoe_jax/measure/): every value measured",
         "# here or derived from a measurement. Re-run it to refresh; do not edit by hand.",

@@ -133,6 +133,15 @@ SCHEMA: dict[str, dict[str, _R]] = {
         # absent: 0
         "step_s": (float, False, "nonneg"),
     },
+    # a collective between accelerators (sim/pricing.py), per kind: latency_s + per-rank
+    # bytes / rate, as measured by `hmoe calibrate` / tools/gpu_check.py
+    # (measure/collectives.py); a kind's two keys go together; absent: the host-staged
+    # price (D2H + H2D + 2 x host DRAM bytes + overheads.collective_s, or P2P)
+    "collectives": {
+        f"{kind}_{what}": (float, False, rule)
+        for kind in ("all_gather", "reduce_scatter", "all_to_all")
+        for what, rule in (("latency_s", "nonneg"), ("gbps", "pos"))
+    },
     # the plan knobs of plan.system.SystemSpec (what the engine's schedules read: the auto
     # policy's thresholds, the cpu schedule's chunk, the slp ring's experts per slot)
     "schedule": {
@@ -164,6 +173,12 @@ ABSENT_DEFAULTS: dict[str, str] = {
     "cpu.dram_corun_efficiency": "1.0: concurrent DRAM streams share the full read rate (no co-run loss)",
     "cpu.expert_op_serialised": "none: experts_cpu ops of different engines share the cores fairly (no process-wide lock)",
     "cpu.xsocket_gbps": "free inter-socket traffic (the far-node share of copy / DMA bytes costs nothing extra)",
+    **{
+        f"collectives.{kind}_{what}": f"the host-staged price of a {kind}: per-rank bytes over D2H and H2D "
+        "+ 2 x host DRAM bytes + overheads.collective_s (or over p2p_gbps), no measured latency or rate"
+        for kind in ("all_gather", "reduce_scatter", "all_to_all")
+        for what in ("latency_s", "gbps")
+    },
 }
 # an absent key that is no default on some profiles: it is then not listed as assumed
 _UNUSED_WHEN: dict[str, Any] = {
@@ -251,6 +266,7 @@ class Profile:
         link = values["link"]
         if link["interconnect"] == "p2p" and "p2p_gbps" not in link:
             raise ConfigError(f"profile {self.name!r}: link.interconnect = 'p2p' needs link.p2p_gbps")
+        check_collectives(f"profile {self.name!r}", values["collectives"])
         return dataclasses.replace(self, values=values, src=src, ranges=ranges)
 
     def provenance(self) -> dict[str, dict[str, Any]]:
@@ -375,6 +391,17 @@ def check_value(where: str, want: type, rule: Any, v: Any) -> Any:
     return want(v)
 
 
+def check_collectives(where: str, coll: dict[str, Any]) -> None:
+    """A collective kind's latency and rate are one measured model: both or neither."""
+    for kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        have = [k for k in (f"{kind}_latency_s", f"{kind}_gbps") if k in coll]
+        if len(have) == 1:
+            raise ConfigError(
+                f"{where}: collectives.{have[0]} without its pair; set both {kind}_latency_s and "
+                f"{kind}_gbps (one fit, measure/collectives.py) or neither"
+            )
+
+
 def _check_src(where: str, src: Any) -> str:
     if not isinstance(src, str) or ":" not in src:
         raise ConfigError(f"{where}: src must be '<kind>: <where the number comes from>', got {src!r}")
@@ -429,6 +456,7 @@ def profile_from_dict(d: dict[str, Any], where: str = "profile") -> Profile:
     link = values["link"]
     if link["interconnect"] == "p2p" and "p2p_gbps" not in link:
         raise ConfigError(f"{where}: link.interconnect = 'p2p' needs link.p2p_gbps")
+    check_collectives(where, values["collectives"])
     return Profile(
         name=name, values=values, src=srcs, comment=str(d.get("comment", "")), path=where, ranges=ranges
     )

@@ -95,6 +95,24 @@ ABSENT_RANGES: dict[str, tuple[Callable[[Profile], dict[str, Any]], str]] = {
         "measured: from flat (the default) to the dev VM's small-M shape, hmoe calibrate 2026-12-05 "
         "(local.toml): 0.7178 at 16 rows per expert over 0.807 at 64 (x0.889), applied to this profile's value",
     ),
+    **{
+        f"collectives.{kind}_gbps": (
+            lambda p, kind=kind: {
+                f"collectives.{kind}_latency_s": 4 * p["overheads.collective_s"],
+                f"collectives.{kind}_gbps": (
+                    p["link.p2p_gbps"] / 2
+                    if p["link.interconnect"] == "p2p"
+                    else 1 / (1 / p["link.d2h_gbps"] + 1 / p["link.h2d_gbps"])
+                ),
+            },
+            f"assumed: from the host-staged price (the default) to a {kind} whose D2H and H2D halves do "
+            "not overlap (rate 1 / (1/d2h + 1/h2d); with P2P half its rate) after 4 x collective_s of latency "
+            "(setup and synchronisation of a staged collective; the stand-ins here measured far slower, "
+            "hmoe calibrate's [collectives] in local.toml, but they are in-process host copies, not a GPU's): "
+            "a stated pessimistic end, not a measurement",
+        )
+        for kind in ("all_gather", "reduce_scatter", "all_to_all")
+    },
     "overheads.step_s": (
         lambda p: {"overheads.step_s": 8.781e-05},
         "measured: from 0 (the default) to the dev VM's 88 us of host work per step outside the plan "

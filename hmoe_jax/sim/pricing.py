@@ -50,12 +50,17 @@ spread evenly over dram<n>. Op kinds, as runtime/executor.py and runtime/dist_ex
 - dslp_load: a copy phase for the ring's expert bytes (staging = "ring"), then the link phase
   for everything the rank receives;
 - dslp_embed / dslp_attn / dslp_ffn / dslp_moe / dslp_final (every rank in lock-step): the
-  collectives named in args.comm as their own phases (cp attention: all-gather before the
-  compute; SmallEP: all-gather, compute, reduce-scatter; EP: all_to_all, compute, all_to_all),
-  each collective_s and, per rank, its share of the bytes (CommVolume.per_rank_bytes) out over
-  d2h<i> and in over h2d<i> plus host DRAM (interconnect = "host": no P2P, staged through host
-  memory), or over p2p<i>; the compute phase: acc_op_s, per-rank flops and bytes on every
-  rank's acc<i> / accmem<i>.
+  collectives named in args.comm as their own phases (comm_split: cp attention: all-gather
+  before the compute; SmallEP: all-gather, compute, reduce-scatter; EP: all_to_all, compute,
+  all_to_all), each priced by _collective; the compute phase: acc_op_s, per-rank flops and
+  bytes on every rank's acc<i> / accmem<i>. The simulator runs a dslp plan split by rank
+  (sim/ranks.split_ranks): such an op with args.rank = r is rank r's compute alone, on acc<r>;
+- collective (a rank-split plan's barrier, args.collective and args.per_rank_bytes): one
+  collective over every rank. Priced from the profile's measured model when [collectives] has
+  the kind (latency_s, then per-rank bytes / rate on each rank's link, + host DRAM when
+  staged); else collective_s and, per rank, its share of the bytes out over d2h<i> and in over
+  h2d<i> plus 2 x bytes of host DRAM (interconnect = "host": no P2P, staged through host
+  memory), or over p2p<i>.
 """
 
 from __future__ import annotations
@@ -86,7 +91,8 @@ ACC_PIECES = frozenset(
 )
 DSLP_COMPUTE = frozenset({"dslp_embed", "dslp_attn", "dslp_ffn", "dslp_moe", "dslp_final"})
 PRICED_KINDS = ACC_PIECES | DSLP_COMPUTE | {"d2h", "h2d", "experts_cpu", "stage", "load", "unload"}
-PRICED_KINDS |= {"dslp_load", "dslp_unload"}
+PRICED_KINDS |= {"dslp_load", "dslp_unload", "collective"}
+COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_to_all")
 GB, TERA = 1e9, 1e12
 
 
@@ -113,6 +119,13 @@ class Rates:
         self.h2d, self.d2h = link["h2d_gbps"] * GB, link["d2h_gbps"] * GB
         self.p2p = link["p2p_gbps"] * GB if link["interconnect"] == "p2p" else None
         self.overheads = dict(p.values["overheads"])
+        # kind -> (latency_s, bytes/s): the measured collective model, where the profile has it
+        coll = p.values.get("collectives", {})
+        self.collective = {
+            kind: (coll[f"{kind}_latency_s"], coll[f"{kind}_gbps"] * GB)
+            for kind in COLLECTIVE_KINDS
+            if f"{kind}_gbps" in coll and f"{kind}_latency_s" in coll
+        }
         self.accelerators = int(acc["count"])
         self.on_host = acc["placement"] == "host"
         self.convert = acc["weight_convert_gbps"] * GB if "weight_convert_gbps" in acc else None
@@ -249,34 +262,58 @@ def _link(rates: Rates, dev: int, nbytes: float, direction: str, overhead_s: flo
 
 
 def _collective(rates: Rates, devs: tuple[int, ...], per_rank_bytes: float, label: str) -> Phase:
+    """One collective of kind `label` moving per_rank_bytes per rank. With the profile's
+    measured model for the kind ([collectives], measure/collectives.py): latency_s as the
+    phase's overhead, then per_rank_bytes / rate on each rank's link (both directions when
+    staged through host memory, or its p2p link) and the host DRAM it passes (2 x bytes per
+    rank, staged): alone it takes latency_s + bytes / rate (the staged copy's DRAM time binds
+    only above half the DRAM rate). Without it: collective_s, then the bytes at the link's
+    own rates (out over d2h, in over h2d, + host DRAM; or over p2p)."""
     d: dict[str, float] = {}
+    model = rates.collective.get(label)
     for i in devs:
-        if rates.p2p is not None:
+        if model is not None:
+            link_s = per_rank_bytes / model[1]
+            for r in (f"p2p{i}",) if rates.p2p is not None else (f"d2h{i}", f"h2d{i}"):
+                _add(d, r, link_s)
+        elif rates.p2p is not None:
             _add(d, f"p2p{i}", per_rank_bytes / rates.p2p)
         else:  # staged through host memory: out over the rank's d2h, in over its h2d
             _add(d, f"d2h{i}", per_rank_bytes / rates.d2h)
             _add(d, f"h2d{i}", per_rank_bytes / rates.h2d)
+        if rates.p2p is None:
             _host(d, rates, 2 * per_rank_bytes)
-    return Phase(label, d, rates.overheads["collective_s"])
+    return Phase(label, d, rates.overheads["collective_s"] if model is None else model[0])
 
 
-def _comm_phases(rates: Rates, devs: tuple[int, ...], comm: dict[str, Any] | None) -> tuple[list, list]:
-    """(phases before the compute, phases after) of an op's collectives."""
-    if not comm or len(devs) < 2:
+def comm_split(comm: dict[str, Any] | None, n_devices: int) -> tuple[list, list]:
+    """([(kind, per-rank bytes)] before the compute, [...] after) of an op's args.comm:
+    cp attention and SmallEP all-gather before, SmallEP reduce-scatters after, EP runs one
+    all_to_all each side (half its bytes each). Nothing on one device."""
+    if not comm or n_devices < 2:
         return [], []
-    n = int(comm.get("n_ranks", len(devs)))
+    n = int(comm.get("n_ranks", n_devices))
     ag, rs, a2a = (
         float(comm.get(k, 0)) / n for k in ("all_gather_bytes", "reduce_scatter_bytes", "all_to_all_bytes")
     )
     before, after = [], []
     if ag:
-        before.append(_collective(rates, devs, ag, "all_gather"))
+        before.append(("all_gather", ag))
     if a2a:
-        before.append(_collective(rates, devs, a2a / 2, "all_to_all"))
-        after.append(_collective(rates, devs, a2a / 2, "all_to_all"))
+        before.append(("all_to_all", a2a / 2))
+        after.append(("all_to_all", a2a / 2))
     if rs:
-        after.append(_collective(rates, devs, rs, "reduce_scatter"))
+        after.append(("reduce_scatter", rs))
     return before, after
+
+
+def _comm_phases(rates: Rates, devs: tuple[int, ...], comm: dict[str, Any] | None) -> tuple[list, list]:
+    """(phases before the compute, phases after) of an op's collectives (comm_split)."""
+    before, after = comm_split(comm, len(devs))
+    return (
+        [_collective(rates, devs, b, k) for k, b in before],
+        [_collective(rates, devs, b, k) for k, b in after],
+    )
 
 
 def price_op(
@@ -340,6 +377,18 @@ def price_op(
             phases.append(_copy(rates, min(exp, op.bytes), devices[0], 0.0))
         phases.append(_link(rates, dev, op.bytes, "h2d", o["load_s"], "link"))
         return tuple(phases)
+    if k == "collective":  # a barrier collective of a rank-split dslp plan (sim/ranks.py)
+        n = int(plan.meta.get("devices", len(devices)))
+        devs = tuple(_device(devices, f"acc:{r}", rates) for r in range(n))
+        label, nbytes = op.args.get("collective"), op.args.get("per_rank_bytes")
+        if label not in ("all_gather", "reduce_scatter", "all_to_all") or not isinstance(
+            nbytes, (int, float)
+        ):
+            raise SimError(f"plan {plan.schedule!r}: op {op.id} is a collective with args {op.args!r}")
+        return (_collective(rates, devs, float(nbytes), label),)
+    if k in DSLP_COMPUTE and "rank" in op.args:  # one rank's compute (sim/ranks.py)
+        dev = _device(devices, f"acc:{int(op.args['rank'])}", rates)
+        return (_compute(rates, _dtype(plan), (dev,), op.flops, op.bytes, k, fp8=fp8_flops(plan, op)),)
     if k in DSLP_COMPUTE:
         n = int(plan.meta.get("devices", len(devices)))
         devs = tuple(_device(devices, f"acc:{r}", rates) for r in range(n))

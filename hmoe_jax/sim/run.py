@@ -32,6 +32,7 @@ from hmoe_jax.schedules.registry import get_schedule
 from hmoe_jax.sim.events import Simulator
 from hmoe_jax.sim.interference import sim_options
 from hmoe_jax.sim.pricing import pricer
+from hmoe_jax.sim.ranks import split_ranks
 from hmoe_jax.sim.reads import with_reads
 
 # --decode-mode: the cpu schedule's decode plan options and the executor mode the step is
@@ -146,10 +147,18 @@ def critical_path(timeline: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def time_plan(
-    plan: Plan, cfg: ModelConfig, profile: Profile, *, mode: str = "pipelined", expert_format: str = "fp8"
+    plan: Plan,
+    cfg: ModelConfig,
+    profile: Profile,
+    *,
+    mode: str = "pipelined",
+    expert_format: str = "fp8",
+    rank_scale: tuple[float, ...] | None = None,
 ) -> PlanTime:
-    """Simulate one plan alone on the profile's machine."""
-    p = with_reads(plan, cfg, expert_format)
+    """Simulate one plan alone on the profile's machine; a dslp plan's ranks as separate
+    timelines meeting at each collective (sim/ranks.split_ranks; rank_scale: a what-if,
+    rank r's compute x rank_scale[r])."""
+    p = split_ranks(with_reads(plan, cfg, expert_format), rank_scale)
     sim = Simulator(pricer(profile, cfg), mode=mode, **sim_options(profile))
     rid = sim.submit(p)
     # + the host work of the step outside the plan (inputs, sampling): once, after the plan

@@ -63,6 +63,7 @@ from hmoe_jax.policies.registry import DEFAULT_POLICY, get_policy
 from hmoe_jax.sim.events import SimError, Simulator
 from hmoe_jax.sim.interference import sim_options
 from hmoe_jax.sim.pricing import pricer
+from hmoe_jax.sim.ranks import split_ranks
 from hmoe_jax.sim.reads import with_reads
 from hmoe_jax.sim.run import build_plan
 
@@ -208,7 +209,7 @@ class SimServer(CoreRunner):
             if batch > 1:
                 opts["batch"] = batch
             plan, msg = build_plan(self.cfg, self._sub[n_dev], schedule, tokens, start_pos=start_pos, **opts)
-            self._plans[key] = (with_reads(plan, self.cfg, self.expert_format), msg)
+            self._plans[key] = (split_ranks(with_reads(plan, self.cfg, self.expert_format)), msg)
         plan, msg = self._plans[key]
         if msg and msg not in self.no_fit:
             self.no_fit.append(msg)  # timed as if it fitted; the engine would refuse it
