@@ -52,6 +52,7 @@ from typing import Any
 import numpy as np
 
 from experiments.common.record import REPO_ROOT, emit_record, parse_args
+from hmoe_jax.io.bench_twin import word_tokenizer
 
 CLAIM = (
     "hmoe serve delivers the engine's step: TPOT at 1 client <= 1.15x the engine's batch-1 step, "
@@ -63,25 +64,6 @@ TOKENIZER = "tokenizer.json"
 
 
 # ---------------------------------------------------------------- model
-
-
-def word_tokenizer(vocab_size: int) -> dict[str, Any]:
-    """A tokenizer.json with one word per id (`<s>`, `</s>`, then w2, w3, ...): every
-    generated id decodes to text, so the server streams one chunk per token."""
-    vocab = {"<s>": 0, "</s>": 1, **{f"w{i}": i for i in range(2, vocab_size)}}
-    special = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
-                "normalized": False, "special": True} for t, i in (("<s>", 0), ("</s>", 1))]  # fmt: skip
-    return {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": special,
-        "normalizer": None,
-        "pre_tokenizer": {"type": "WhitespaceSplit"},
-        "post_processor": None,
-        "decoder": None,
-        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "</s>"},
-    }
 
 
 def build_model(quick: bool) -> tuple[Any, Any, Path, str]:

@@ -11,6 +11,7 @@ is not a layer dim and would otherwise be most of the bytes (lm_head 117 MB bf16
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 
@@ -65,3 +66,22 @@ def fp8_twin_params(cfg: ModelConfig, seed: int = 0):
         return out
 
     return build_params(cfg, get)
+
+
+def word_tokenizer(vocab_size: int) -> dict[str, Any]:
+    """A tokenizer.json with one word per id (`<s>`, `</s>`, then w2, w3, ...): every
+    generated id decodes to text, so the server streams one chunk per token."""
+    vocab = {"<s>": 0, "</s>": 1, **{f"w{i}": i for i in range(2, vocab_size)}}
+    special = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                "normalized": False, "special": True} for t, i in (("<s>", 0), ("</s>", 1))]  # fmt: skip
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": special,
+        "normalizer": None,
+        "pre_tokenizer": {"type": "WhitespaceSplit"},
+        "post_processor": None,
+        "decoder": None,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "</s>"},
+    }
