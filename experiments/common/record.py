@@ -14,6 +14,10 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
+# the experiments that validate the simulator on this machine's profile: their records carry
+# the simulator's fingerprint (hmoe_jax/sim/frozen.py), which e10 checks before pooling rounds
+VALIDATION_EXPERIMENTS = ("e03_decode", "e04_slp_prefill", "e05_dslp_smallep", "e06_concurrency")
+
 
 def parse_args(experiment: str, doc: str | None = None, argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=f"python -m experiments.{experiment}", description=doc)
@@ -22,7 +26,18 @@ def parse_args(experiment: str, doc: str | None = None, argv: list[str] | None =
     p.add_argument("--threads", type=int, default=0, help="threads for all variants (0 = all cores)")
     args = p.parse_args(argv)
     args.experiment = experiment
+    # hashed at the start of the run, before any simulation: the sources this process loaded
+    args.sim_fingerprint = sim_fingerprint_of(experiment)
     return args
+
+
+def sim_fingerprint_of(experiment: str) -> dict[str, Any] | None:
+    """The simulator's fingerprint for a validation experiment's record, None for the others."""
+    if experiment not in VALIDATION_EXPERIMENTS:
+        return None
+    from hmoe_jax.sim.frozen import local_fingerprint
+
+    return local_fingerprint()
 
 
 def _cpu_model() -> str:
@@ -103,8 +118,11 @@ def emit_record(
     summary: dict[str, Any],
 ) -> dict[str, Any]:
     """Write results/<experiment>_<timestamp>.json and print the record as the last line."""
-    record = {
-        "experiment": args.experiment,
+    record: dict[str, Any] = {"experiment": args.experiment}
+    fp = getattr(args, "sim_fingerprint", None) or sim_fingerprint_of(args.experiment)
+    if fp is not None:
+        record["sim_fingerprint"] = fp
+    record |= {
         "claim": claim,
         "paper_value": paper_value,
         "config": {"quick": bool(args.quick), "threads": args.threads, **config},
