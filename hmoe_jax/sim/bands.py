@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +41,12 @@ METHOD = (
     "all-high corners (each input at the end that lowered / raised the projection); band = min / max "
     "of all runs; inputs that price no op of the projection's plans differently are 'no effect'"
 )
+
+# one memcpy thread's rate on the dev VM (local.toml copy_threads: 7.9-8.4 GB/s), the rate
+# runtime/staging sizes copy threads with; the low end of that measurement (more threads)
+ONE_THREAD_MEMCPY_GBPS = 7.9
+# absent keys whose pessimistic end is the higher value (more busy cores, a lock), as for times
+PESSIMISTIC_HIGH = frozenset({"cpu.copy_threads", "cpu.expert_op_serialised"})
 
 # Absent optional keys: (the overrides at the pessimistic end, computed from the profile, and
 # the source of that end). The default the key takes when absent is the other end.
@@ -113,6 +120,40 @@ ABSENT_RANGES: dict[str, tuple[Callable[[Profile], dict[str, Any]], str]] = {
         )
         for kind in ("all_gather", "reduce_scatter", "all_to_all")
     },
+    # the interference inputs (sim/interference.py; docs/simulator.md "Interference"): each
+    # default is the optimistic end (no co-run loss, no lock, free copies and socket link)
+    "cpu.copy_threads": (
+        lambda p: {
+            "cpu.copy_threads": max(
+                1,
+                min(
+                    math.ceil(p["link.h2d_gbps"] / ONE_THREAD_MEMCPY_GBPS),
+                    p["cpu.numa_nodes"] * p["cpu.cores_per_node"],
+                    8,
+                ),
+            )
+        },
+        "measured: from no host cores (the default) to the threads Engine(copy_threads=None) sizes against "
+        f"the link (runtime/staging.copy_threads_for: ceil(h2d_gbps / {ONE_THREAD_MEMCPY_GBPS} GB/s, one "
+        "memcpy thread on the dev VM, local.toml's copy_threads src), within [1, min(cores, 8)]",
+    ),
+    "cpu.dram_corun_efficiency": (
+        lambda p: {"cpu.dram_corun_efficiency": 0.75},
+        "measured: from 1.0 (the default, no co-run loss) to 0.75, just under the co-run probe's spread on "
+        "the dev VM (measure/probes.dram_corun: 0.803, 0.905, 0.969 over three runs, local.toml); a "
+        "server part with more channels per core may lose less, so 1.0 stays the other end",
+    ),
+    "cpu.expert_op_serialised": (
+        lambda p: {"cpu.expert_op_serialised": "process"},
+        "spec: from fair sharing (the default) to the process-wide lock the CPU MoE op holds "
+        "(xla_ffi/src/moe_exec.cc run_moe), which every in-process engine of this code base takes",
+    ),
+    "cpu.xsocket_gbps": (
+        lambda p: {"cpu.xsocket_gbps": 0.4 * p["cpu.dram_gbps_per_node"] * p["cpu.dram_efficiency"]},
+        "assumed: from free (the default) to 0.4 of one node's effective DRAM read rate for both "
+        "directions together, about the paper box's stated low end (192 GB/s over its 491.5 GB/s node "
+        "rate = 0.39, paper_epyc9355_rtx5090.toml); a stated pessimistic end, not a measurement",
+    ),
     "overheads.step_s": (
         lambda p: {"overheads.step_s": 8.781e-05},
         "measured: from 0 (the default) to the dev VM's 88 us of host work per step outside the plan "
@@ -144,8 +185,9 @@ def band_inputs(profile: Profile) -> tuple[list[BandInput], dict[str, str]]:
     for key, (end, why) in ABSENT_RANGES.items():
         if key in absent:
             over = end(profile)
-            # the pessimistic end is the low one for rates, the high one for a time
-            low, high = (over, {}) if not key.endswith("_s") else ({}, over)
+            # the pessimistic end is the low one for rates, the high one for a time, a count of
+            # busy threads or a lock
+            low, high = ({}, over) if key.endswith("_s") or key in PESSIMISTIC_HIGH else (over, {})
             inputs.append(BandInput(key, "absent", None, low, high, f"{why}; default: {absent[key]}"))
     for key, src in profile.assumptions().items():
         if not src.startswith("assumed: absent;") and key not in profile.ranges:
