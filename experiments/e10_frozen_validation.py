@@ -406,4 +406,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ValueError, FileNotFoundError, RuntimeError) as e:  # FingerprintMismatch included
+        print(f"e10_frozen_validation: {e}", file=sys.stderr)
+        sys.exit(2)
