@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import ast
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from experiments import e10_frozen_validation as e10
 from hmoe_jax.sim import frozen
+from hmoe_jax.sim import validation as e10
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 PKG = Path(frozen.__file__).resolve().parents[1]
 
@@ -294,21 +298,38 @@ def test_quick_and_full_not_pooled():
 
 def test_validation_records_carry_the_fingerprint(tmp_path):
     """emit_record puts the fingerprint (hashed at parse_args) at the top of e03-e06 records,
-    and only there."""
+    and only there (the harness run in a fresh process, as the experiments run it)."""
     import json
 
-    from experiments.common.record import emit_record, parse_args
-
-    args = parse_args("e03_decode", None, ["--out-dir", str(tmp_path)])
-    rec = emit_record(args, claim="c", paper_value=None, config={}, rows=[], summary={})
-    assert list(rec)[:2] == ["experiment", "sim_fingerprint"]
-    assert rec["sim_fingerprint"]["sha256"] == frozen.local_fingerprint()["sha256"]
-    on_disk = json.loads(next(tmp_path.glob("e03_decode_*.json")).read_text())
-    assert on_disk["sim_fingerprint"] == rec["sim_fingerprint"]
-    other = parse_args("e07_quality", None, ["--out-dir", str(tmp_path)])
-    assert "sim_fingerprint" not in emit_record(
-        other, claim="c", paper_value=None, config={}, rows=[], summary={}
+    script = (
+        "import json, sys\n"
+        "from experiments.common.record import emit_record, parse_args\n"
+        "out = sys.argv[1]\n"
+        "a = parse_args('e03_decode', None, ['--out-dir', out])\n"
+        "r = emit_record(a, claim='c', paper_value=None, config={}, rows=[], summary={})\n"
+        "b = parse_args('e07_quality', None, ['--out-dir', out + '/other'])\n"
+        "o = emit_record(b, claim='c', paper_value=None, config={}, rows=[], summary={})\n"
+        "print('RESULT', json.dumps({'keys': list(r)[:2], 'fp': r['sim_fingerprint'], 'other': 'sim_fingerprint' in o}))\n"
     )
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[7:])
+    assert got["keys"] == ["experiment", "sim_fingerprint"]
+    assert got["fp"]["sha256"] == frozen.local_fingerprint()["sha256"]
+    on_disk = json.loads(next(tmp_path.glob("e03_decode_*.json")).read_text())
+    assert on_disk["sim_fingerprint"] == got["fp"]
+    assert got["other"] is False
+
+
+def _e10(*args: str) -> dict:
+    """`python -m experiments.e10_frozen_validation ARGS` in a fresh process -> its record."""
+    import json
+
+    proc = subprocess.run([sys.executable, "-m", "experiments.e10_frozen_validation", *args], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=3600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def test_from_records_end_to_end(tmp_path):
@@ -318,7 +339,7 @@ def test_from_records_end_to_end(tmp_path):
     for name, rec in two_rounds():
         (tmp_path / (name.replace("/", "_") + ".json")).write_text(json.dumps(rec))
     out = tmp_path / "out"
-    rec = e10.main(["--from-records", str(tmp_path / "r*.json"), "--out-dir", str(out)])
+    rec = _e10("--from-records", str(tmp_path / "r*.json"), "--out-dir", str(out))
     assert list(rec)[:2] == ["experiment", "sim_fingerprint"] and rec["sim_fingerprint"] == FP
     assert rec["summary"]["fingerprint_matches_tree"] is False
     assert rec["summary"]["checks"]["decode_p90_le_10"]["ok"] is True
@@ -328,6 +349,6 @@ def test_from_records_end_to_end(tmp_path):
 @pytest.mark.slow
 def test_quick_rounds_end_to_end(tmp_path):
     """One --quick round of e03, e04 and e06 through e10 (minutes; not in the default lane)."""
-    rec = e10.main(["--quick", "--rounds", "1", "--out-dir", str(tmp_path)])
+    rec = _e10("--quick", "--rounds", "1", "--out-dir", str(tmp_path))
     assert rec["summary"]["fingerprint_matches_tree"] is True
     assert rec["summary"]["checks"]["at_least_3_rounds"]["ok"] is False
