@@ -73,6 +73,12 @@ def write_hf_twin(out_dir: Path) -> None:
         print(f"[twin_gguf] writing the bench twin (HF layout, FP8) to {out_dir}", flush=True)
         save_checkpoint(out_dir, cfg, fp8_twin_params(cfg), fp8=True, progress=True)
         print(f"[twin_gguf] written in {time.perf_counter() - t0:.0f} s", flush=True)
+    # DeepSeek-V3's release config names its sigmoid router; ours leaves it implicit (the
+    # deepseek_v3 model type always routes by sigmoid), and llama.cpp's converter, not told,
+    # writes no gating function, which llama.cpp then reads as softmax: a different model
+    conf = json.loads((out_dir / "config.json").read_text())
+    conf.update(scoring_func="sigmoid", topk_method="noaux_tc")
+    (out_dir / "config.json").write_text(json.dumps(conf, indent=2))
     (out_dir / "tokenizer.json").write_text(json.dumps(bpe_twin_tokenizer(cfg.vocab_size)))
     (out_dir / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
