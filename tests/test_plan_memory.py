@@ -191,6 +191,20 @@ def test_budget_pieces_agree_with_the_runtime():
     assert 0.75 <= memory.gpu_mem_fraction(b, load_system(PAPER, 1)) <= 0.96
 
 
+def test_expert_row_buckets_are_the_smallest_allowed_size():
+    """pieces.row_bucket: the smallest size >= n among {16, 32, ..., 4096} then the multiples of
+    4096, by a table built here; so a group's padding is under 4,096 rows past 4,096 (a power
+    of two there nearly doubled the slp slot's buffers between a 32K and a 34K prompt)."""
+    allowed = [1 << p for p in range(4, 13)] + list(range(8192, 1 << 17, 4096))
+    j = 0
+    for n in range(1, (1 << 17) - 4096 + 1):
+        while allowed[j] < n:
+            j += 1
+        assert pieces.row_bucket(n) == allowed[j], n
+    with pytest.raises(ValueError, match="rows must be >= 0"):
+        pieces.row_bucket(-1)
+
+
 # ---------------------------------------------------------------- (b) compiled temporaries
 
 

@@ -36,3 +36,23 @@ def prefill_bucket(tokens: int) -> int:
 def prefill_buckets(max_tokens: int) -> list[int]:
     """Every prefill_bucket of a chunk of 1..max_tokens tokens."""
     return sorted({prefill_bucket(t) for t in range(1, int(max_tokens) + 1)})
+
+
+EXPERT_ROWS_MIN = 16  # smallest expert group, token-expert rows
+EXPERT_ROWS_STEP = 4096  # past it, a group's rows pad to a multiple of this
+
+
+def expert_rows_bucket(rows: int) -> int:
+    """The static row count of an expert group of `rows` token-expert rows (runtime
+    pieces.experts_group and its memory estimate, plan/memory.experts_group_temp): the next
+    power of two >= EXPERT_ROWS_MIN up to EXPERT_ROWS_STEP, past it the next multiple of
+    EXPERT_ROWS_STEP. A power of two past it doubled a big group's buffers at each step: an
+    slp slot's worst case (all T tokens on one expert) went from 32,768 to 65,536 rows between
+    a 32K and a 34K prompt, and on the paper's box the ring lost 49 of its 113 slots there, a
+    10% cliff in tok/s (tests/test_ring_policy.py)."""
+    if rows < 0:
+        raise ValueError(f"expert_rows_bucket: rows must be >= 0, got {rows}")
+    n = max(int(rows), 1)
+    if n <= EXPERT_ROWS_STEP:
+        return max(EXPERT_ROWS_MIN, 1 << (n - 1).bit_length())
+    return -(-n // EXPERT_ROWS_STEP) * EXPERT_ROWS_STEP

@@ -31,7 +31,7 @@ from typing import Any
 
 from hmoe_jax.config import ModelConfig
 from hmoe_jax.plan import costs
-from hmoe_jax.plan.buckets import cache_len
+from hmoe_jax.plan.buckets import cache_len, expert_rows_bucket
 from hmoe_jax.plan.system import SystemSpec
 from hmoe_jax.plan.tensors import expected_tensors
 
@@ -260,7 +260,7 @@ def experts_group_temp(cfg: ModelConfig, tokens: int, experts_per_slot: int = 1,
     output rows [rows, D], the slot's dequantised weights (none under the bf16 policy: the grouped FP8 kernel)."""
     d, i, wb = cfg.hidden_size, cfg.moe_intermediate_size, (2 if act == 2 else 4)
     n = min(experts_per_slot, cfg.num_experts_per_tok) * tokens
-    rows = max(16, 1 << (max(n, 1) - 1).bit_length())  # pieces.row_bucket
+    rows = expert_rows_bucket(n)  # pieces.row_bucket
     return rows * (d * act + i * (8 + act) + d * 4) + 3 * experts_per_slot * _dequant_bytes(cfg, i, d, wb)
 
 

@@ -16,6 +16,7 @@ from hmoe_jax.model.layers import dense_weight, policy_linear, rms_norm, swiglu
 from hmoe_jax.model.moe import route
 from hmoe_jax.model.params import ExpertsParams, FFNParams, LayerParams, MLAParams, ModelParams
 from hmoe_jax.model.precision import F32, Precision
+from hmoe_jax.plan.buckets import expert_rows_bucket
 from hmoe_jax.plan.memory import FFN_CHUNK_TOKENS
 from hmoe_jax.quant.fp8 import Fp8Tensor
 
@@ -254,9 +255,10 @@ def sort_by_expert(ids: jax.Array, weights: jax.Array, n_experts: int):
 
 
 def row_bucket(n: int) -> int:
-    """Static row count for a group of n token-expert rows: the next power of two (>= 16),
-    so a prefill compiles a handful of shapes, never one per count."""
-    return max(16, 1 << (max(n, 1) - 1).bit_length())
+    """Static row count for a group of n token-expert rows (plan/buckets.expert_rows_bucket:
+    powers of two up to 4,096, then multiples of 4,096), so a prefill compiles a handful of
+    shapes, never one per count."""
+    return expert_rows_bucket(n)
 
 
 @functools.partial(jax.jit, static_argnames=("rows", "prec"), donate_argnames=("acc",))
