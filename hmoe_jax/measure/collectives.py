@@ -23,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-KINDS = ("all_gather", "reduce_scatter", "all_to_all")
+from hmoe_jax.plan.profile import COLLECTIVE_KINDS
+
 # per-rank bytes of the timed points: quick mode takes two sizes, the full run three
 SIZES_BYTES = (1 << 20, 4 << 20, 16 << 20)
 QUICK_SIZES_BYTES = (1 << 20, 4 << 20)
@@ -114,7 +115,7 @@ def collective_leaves(fits: dict[str, Any], here: str) -> dict[str, tuple[float,
     fits, each src naming the points it was fitted to. `here` opens each src ("measured: ...
     on <machine> <date>")."""
     out: dict[str, tuple[float, str]] = {}
-    for kind in KINDS:
+    for kind in COLLECTIVE_KINDS:
         if kind not in fits:
             continue
         f = fits[kind]

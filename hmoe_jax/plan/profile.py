@@ -47,6 +47,8 @@ from hmoe_jax.config import ConfigError, configs_dir
 
 PROFILE_FORMAT = "hmoe-sim-profile/1"
 SOURCE_KINDS = ("spec", "measured", "published", "derived", "paper", "assumed")
+# the collectives dslp / ep run, each priced from its own measured model ([collectives])
+COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_to_all")
 
 # section -> key -> (type, required, rule); rule: "pos" (> 0), "frac" (0 < x <= 1),
 # "nonneg" (>= 0), "count" (int >= 1), a tuple of allowed strings, or "str".
@@ -139,7 +141,7 @@ SCHEMA: dict[str, dict[str, _R]] = {
     # price (D2H + H2D + 2 x host DRAM bytes + overheads.collective_s, or P2P)
     "collectives": {
         f"{kind}_{what}": (float, False, rule)
-        for kind in ("all_gather", "reduce_scatter", "all_to_all")
+        for kind in COLLECTIVE_KINDS
         for what, rule in (("latency_s", "nonneg"), ("gbps", "pos"))
     },
     # the plan knobs of plan.system.SystemSpec (what the engine's schedules read: the auto
@@ -176,7 +178,7 @@ ABSENT_DEFAULTS: dict[str, str] = {
     **{
         f"collectives.{kind}_{what}": f"the host-staged price of a {kind}: per-rank bytes over D2H and H2D "
         "+ 2 x host DRAM bytes + overheads.collective_s (or over p2p_gbps), no measured latency or rate"
-        for kind in ("all_gather", "reduce_scatter", "all_to_all")
+        for kind in COLLECTIVE_KINDS
         for what in ("latency_s", "gbps")
     },
 }
@@ -393,7 +395,7 @@ def check_value(where: str, want: type, rule: Any, v: Any) -> Any:
 
 def check_collectives(where: str, coll: dict[str, Any]) -> None:
     """A collective kind's latency and rate are one measured model: both or neither."""
-    for kind in ("all_gather", "reduce_scatter", "all_to_all"):
+    for kind in COLLECTIVE_KINDS:
         have = [k for k in (f"{kind}_latency_s", f"{kind}_gbps") if k in coll]
         if len(have) == 1:
             raise ConfigError(

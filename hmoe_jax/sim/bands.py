@@ -30,7 +30,7 @@ from typing import Any
 
 from hmoe_jax.config import ModelConfig
 from hmoe_jax.plan.format import Plan
-from hmoe_jax.plan.profile import Profile
+from hmoe_jax.plan.profile import COLLECTIVE_KINDS, Profile
 from hmoe_jax.plan.system import SystemSpec
 from hmoe_jax.sim import interference
 from hmoe_jax.sim.pricing import Rates, price_op
@@ -118,7 +118,7 @@ ABSENT_RANGES: dict[str, tuple[Callable[[Profile], dict[str, Any]], str]] = {
             "hmoe calibrate's [collectives] in local.toml, but they are in-process host copies, not a GPU's): "
             "a stated pessimistic end, not a measurement",
         )
-        for kind in ("all_gather", "reduce_scatter", "all_to_all")
+        for kind in COLLECTIVE_KINDS
     },
     # the interference inputs (sim/interference.py; docs/simulator.md "Interference"): each
     # default is the optimistic end (no co-run loss, no lock, free copies and socket link)

@@ -71,7 +71,7 @@ from typing import Any
 from hmoe_jax.config import ModelConfig
 from hmoe_jax.plan import costs
 from hmoe_jax.plan.format import Op, Plan
-from hmoe_jax.plan.profile import Profile
+from hmoe_jax.plan.profile import COLLECTIVE_KINDS, Profile
 from hmoe_jax.sim import interference
 from hmoe_jax.sim.events import Phase, SimError
 
@@ -92,7 +92,6 @@ ACC_PIECES = frozenset(
 DSLP_COMPUTE = frozenset({"dslp_embed", "dslp_attn", "dslp_ffn", "dslp_moe", "dslp_final"})
 PRICED_KINDS = ACC_PIECES | DSLP_COMPUTE | {"d2h", "h2d", "experts_cpu", "stage", "load", "unload"}
 PRICED_KINDS |= {"dslp_load", "dslp_unload", "collective"}
-COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_to_all")
 GB, TERA = 1e9, 1e12
 
 
@@ -381,9 +380,7 @@ def price_op(
         n = int(plan.meta.get("devices", len(devices)))
         devs = tuple(_device(devices, f"acc:{r}", rates) for r in range(n))
         label, nbytes = op.args.get("collective"), op.args.get("per_rank_bytes")
-        if label not in ("all_gather", "reduce_scatter", "all_to_all") or not isinstance(
-            nbytes, (int, float)
-        ):
+        if label not in COLLECTIVE_KINDS or not isinstance(nbytes, (int, float)):
             raise SimError(f"plan {plan.schedule!r}: op {op.id} is a collective with args {op.args!r}")
         return (_collective(rates, devs, float(nbytes), label),)
     if k in DSLP_COMPUTE and "rank" in op.args:  # one rank's compute (sim/ranks.py)
