@@ -227,9 +227,8 @@ class PlanPrices:
         if self.base.get("overheads", "step_s", 0.0) != other.get("overheads", "step_s", 0.0):
             return True
         # DRAM co-run and the serialised expert op act in the event loop, not in an op's price
-        if interference.sim_options(self.base).keys() != interference.sim_options(other).keys() or (
-            interference.from_profile(self.base) != interference.from_profile(other)
-        ):
+        # (sim_options is built from these inputs alone)
+        if interference.from_profile(self.base) != interference.from_profile(other):
             return True
         rates = Rates(other)
         return any(

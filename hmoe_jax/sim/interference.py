@@ -102,8 +102,8 @@ def sim_options(p: Profile) -> dict[str, object]:
     if itf.dram_corun_efficiency is not None:
         cap: Callable[[str, int], float] = lambda r, n: dram_capacity(itf, r, n)  # noqa: E731
         out["capacity"] = cap
-    if serialised_resources(itf):
-        out["shared_resources"] = serialised_resources(itf)
+    if shared := serialised_resources(itf):
+        out["shared_resources"] = shared
     return out
 
 
