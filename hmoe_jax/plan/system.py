@@ -13,6 +13,7 @@ accelerator; tests/test_plan_system.py holds them equal)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from hmoe_jax.plan.profile import Profile, check_value, load_profile
 
@@ -83,3 +84,22 @@ def load_system(name_or_path: str, devices: int | None = None) -> SystemSpec:
     accelerators than asked for (a stand-in box, placement "host", has any number)."""
     prof = load_profile(name_or_path)
     return SystemSpec.from_profile(prof if devices is None else prof.with_accelerators(devices))
+
+
+MAX_COPY_THREADS = 8  # past this a host's memcpy is memory-bandwidth bound, not thread bound
+
+
+def copy_threads_for(
+    link_gbps: float, one_thread_gbps: float, cores: int, max_threads: int = MAX_COPY_THREADS
+) -> int:
+    """Host memcpy threads that keep a `link_gbps` link busy: ceil(link / one thread's rate),
+    at least 1, at most min(cores, max_threads). The staging ring sizes its threads with it
+    (runtime/staging.size_copy_threads) and the simulator's bands the pessimistic end of
+    cpu.copy_threads (sim/bands.py)."""
+    if not link_gbps > 0 or not one_thread_gbps > 0:
+        raise ValueError(
+            f"copy_threads_for: link_gbps ({link_gbps}) and one_thread_gbps ({one_thread_gbps}) must be > 0"
+        )
+    if cores < 1 or max_threads < 1:
+        raise ValueError(f"copy_threads_for: cores ({cores}) and max_threads ({max_threads}) must be >= 1")
+    return max(1, min(math.ceil(link_gbps / one_thread_gbps), cores, max_threads))

@@ -23,7 +23,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
-import math
 import os
 from typing import Any
 
@@ -33,11 +32,12 @@ import numpy as np
 
 from hmoe_jax.kernels import ffi as hffi
 from hmoe_jax.model.params import ExpertsParams
+from hmoe_jax.plan import system
 from hmoe_jax.plan.costs import SLOT_ALIGN_BYTES
+from hmoe_jax.plan.system import MAX_COPY_THREADS
 from hmoe_jax.quant.fp8 import Fp8Tensor
 
 _ALIGN = SLOT_ALIGN_BYTES  # sub-array alignment inside a slot (>= 64 for zero-copy device_put)
-MAX_COPY_THREADS = 8  # past this a host's memcpy is memory-bandwidth bound, not thread bound
 DEFAULT_COPY_THREADS = 2  # without a link rate to size against (the count before sizing)
 _PROBE_BYTES = 64 << 20  # well over L2, so the probe times DRAM -> DRAM like a real fill
 
@@ -82,15 +82,12 @@ def memcpy_gbps_one_thread() -> float:
 def copy_threads_for(
     link_gbps: float, one_thread_gbps: float, cores: int, max_threads: int = MAX_COPY_THREADS
 ) -> int:
-    """Host memcpy threads that keep a `link_gbps` link busy: ceil(link / one thread's rate),
-    at least 1, at most min(cores, max_threads)."""
-    if not link_gbps > 0 or not one_thread_gbps > 0:
-        raise StagingError(
-            f"copy_threads_for: link_gbps ({link_gbps}) and one_thread_gbps ({one_thread_gbps}) must be > 0"
-        )
-    if cores < 1 or max_threads < 1:
-        raise StagingError(f"copy_threads_for: cores ({cores}) and max_threads ({max_threads}) must be >= 1")
-    return max(1, min(math.ceil(link_gbps / one_thread_gbps), cores, max_threads))
+    """plan/system.copy_threads_for (ceil(link / one thread's rate) within [1, min(cores,
+    max_threads)]), bad input as a StagingError."""
+    try:
+        return system.copy_threads_for(link_gbps, one_thread_gbps, cores, max_threads)
+    except ValueError as e:
+        raise StagingError(str(e)) from None
 
 
 def size_copy_threads(copy_threads: int | None, link_gbps: float | None) -> tuple[int, str]:

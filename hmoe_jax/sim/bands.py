@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from collections.abc import Callable
 from typing import Any
 
 from hmoe_jax.config import ModelConfig
 from hmoe_jax.plan.format import Plan
 from hmoe_jax.plan.profile import COLLECTIVE_KINDS, Profile
-from hmoe_jax.plan.system import SystemSpec
+from hmoe_jax.plan.system import SystemSpec, copy_threads_for
 from hmoe_jax.sim import interference
 from hmoe_jax.sim.pricing import Rates, price_op
 from hmoe_jax.sim.reads import with_reads
@@ -124,17 +123,12 @@ ABSENT_RANGES: dict[str, tuple[Callable[[Profile], dict[str, Any]], str]] = {
     # default is the optimistic end (no co-run loss, no lock, free copies and socket link)
     "cpu.copy_threads": (
         lambda p: {
-            "cpu.copy_threads": max(
-                1,
-                min(
-                    math.ceil(p["link.h2d_gbps"] / ONE_THREAD_MEMCPY_GBPS),
-                    p["cpu.numa_nodes"] * p["cpu.cores_per_node"],
-                    8,
-                ),
+            "cpu.copy_threads": copy_threads_for(
+                p["link.h2d_gbps"], ONE_THREAD_MEMCPY_GBPS, p["cpu.numa_nodes"] * p["cpu.cores_per_node"]
             )
         },
         "measured: from no host cores (the default) to the threads Engine(copy_threads=None) sizes against "
-        f"the link (runtime/staging.copy_threads_for: ceil(h2d_gbps / {ONE_THREAD_MEMCPY_GBPS} GB/s, one "
+        f"the link (plan/system.copy_threads_for, as runtime/staging sizes them: ceil(h2d_gbps / {ONE_THREAD_MEMCPY_GBPS} GB/s, one "
         "memcpy thread on the dev VM, local.toml's copy_threads src), within [1, min(cores, 8)]",
     ),
     "cpu.dram_corun_efficiency": (
