@@ -53,6 +53,29 @@ def test_fp8_decode_all_codes_vs_ml_dtypes(isa):
 
 
 @pytest.mark.parametrize("isa", ISAS, ids=lambda i: ISA_IDS[i])
+@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("k", [144, 200], ids=["whole-16-tail", "partial-tail"])
+def test_fp8_nan_code_anywhere_gives_nan_row(isa, m, k):
+    """A NaN code at any position of a row (either half of a 32-code step, a block's last 16
+    codes, a partial tail chunk) makes that output NaN for every activation row, as
+    dequantize-then-dot does; the other outputs are untouched (checked against the ref)."""
+    rng = np.random.default_rng(k + m)
+    t = fp8_weight(rng, 12, k)
+    w = np.asarray(t.w).view(np.uint8).copy()
+    cols = [3, 17, 40, 130, k - 3]  # 130 / k-3: the second block and its tail
+    for row, col in enumerate(cols):
+        w[2 * row, col] = 0x7F if row % 2 else 0xFF
+    t = Fp8Tensor(w=jnp.asarray(w.view(FP8_DTYPE)), scale_inv=t.scale_inv)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    y = np.asarray(gemm.fp8_matmul(jnp.asarray(x), t, max_isa=isa))
+    nan_rows = [2 * r for r in range(len(cols))]
+    assert np.isnan(y[:, nan_rows]).all()
+    ok = [j for j in range(12) if j not in nan_rows]
+    ref = np.asarray(gemm.fp8_matmul_ref(x, t))[:, ok]
+    assert np.all(np.abs(y[:, ok] - ref) <= err_bound(x, dequantize_np(t)[ok]))
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: ISA_IDS[i])
 @pytest.mark.parametrize("k", [200, 448], ids=["partial-chunk", "chunks"])
 def test_activation_rounding_is_bit_exact(isa, k):
     """x -> bf16 (round to nearest even, on the packing path of each ISA, SIMD on AVX-512)
@@ -90,6 +113,22 @@ def test_activation_rounding_is_bit_exact(isa, k):
 @pytest.mark.parametrize("n,k", [(300, 448), (257, 200)], ids=["partial-blocks", "odd-n-partial-chunk"])
 def test_fp8_matmul_matches_ref(isa, m, n, k):
     rng = np.random.default_rng(1000 * m + n)
+    t = fp8_weight(rng, n, k)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    y = np.asarray(gemm.fp8_matmul(jnp.asarray(x), t, max_isa=isa))
+    ref = np.asarray(gemm.fp8_matmul_ref(x, t))
+    assert y.shape == (m, n)
+    assert np.all(np.abs(y - ref) <= err_bound(x, dequantize_np(t)))
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: ISA_IDS[i])
+@pytest.mark.parametrize("m", [4, 5, 11])
+def test_fp8_matmul_row_chunks_matches_ref(isa, m):
+    """A long k makes the AVX2 path's prefill loop (M > 4) split the weight rows into several
+    L2-sized chunks (256 KiB / k = 16 rows here: 16 + 16 + 11, the last with an odd row) with
+    blocks of 4 activation rows and a partial block; M = 4 is the largest decode block."""
+    rng = np.random.default_rng(7 + m)
+    n, k = 43, 16384
     t = fp8_weight(rng, n, k)
     x = rng.standard_normal((m, k)).astype(np.float32)
     y = np.asarray(gemm.fp8_matmul(jnp.asarray(x), t, max_isa=isa))

@@ -6,7 +6,10 @@
 // mantissa. As f16 that is the e4m3 value times 2^-8 for normals AND subnormals (f16's
 // bias is 8 more than e4m3's), so vcvtph2ps gives exact f32 and the 2^8 is folded into
 // the block scale. The NaN magnitude (0x7F) would read as 1.875, so it is patched to an
-// f16 NaN first. Products with bf16-rounded x are exact in f32; FMA accumulates.
+// f16 NaN first (flagging NaN codes on the raw bytes instead, 3 uops per 32 codes against
+// the patch's 4 per 16, measured no faster on Zen 3: the decode is bound by its shuffle and
+// convert uops, not by these ALU ones). x is unpacked to f32 once per call (per block of 4
+// rows); products with bf16-rounded x are exact in f32; FMA accumulates.
 // INT4: nibbles -> int8 by vpshufb -> int32 -> f32, FMA.
 // Anonymous namespace throughout: this file has AVX2 flags (see gemm_avx512.cc).
 #include <immintrin.h>
@@ -15,6 +18,7 @@
 #include <cstring>
 
 #include "gemm_kernels.h"
+#include "isa_scratch.h"
 
 namespace hmoe {
 namespace {
@@ -49,29 +53,32 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// One 16-code step of R rows x MB activation rows: codes[r] are row r's 16 codes at c.
-template <int R, int MB>
-inline void fp8_step(const uint16_t* xp, int64_t ks, int64_t c, const __m128i (&codes)[R],
-                     __m256 (&acc)[R][MB]) {
-  __m256 x0[MB], x1[MB];
-  for (int i = 0; i < MB; ++i) {
-    x0[i] = bf16x8(xp + i * ks + c);  // x is zero padded to a multiple of 64
-    x1[i] = bf16x8(xp + i * ks + c + 8);
-  }
+// One 16-code step of R weight rows x MB activation rows, x already in f32 (xf row i at
+// xf + i * ks). S accumulators per (r, i): with MB <= 2 there are too few FMA chains to
+// hide the FMA latency (4 cycles) behind the 2 FMA ports, so each 8-lane half gets its own.
+template <int R, int MB, int S>
+inline void fp8_step(const float* xf, int64_t ks, int64_t c, const __m128i (&codes)[R],
+                     __m256 (&acc)[R][MB][S]) {
   for (int r = 0; r < R; ++r) {
     const __m256i h = fp8_to_f16(codes[r]);
     const __m256 w0 = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
     const __m256 w1 = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
     for (int i = 0; i < MB; ++i) {
-      acc[r][i] = _mm256_fmadd_ps(w0, x0[i], acc[r][i]);
-      acc[r][i] = _mm256_fmadd_ps(w1, x1[i], acc[r][i]);
+      const float* xi = xf + i * ks + c;  // x is zero padded to a multiple of 64
+      acc[r][i][0] = _mm256_fmadd_ps(w0, _mm256_load_ps(xi), acc[r][i][0]);
+      acc[r][i][S - 1] = _mm256_fmadd_ps(w1, _mm256_load_ps(xi + 8), acc[r][i][S - 1]);
     }
   }
 }
 
+// R weight rows [r0, r0 + R) against MB f32 activation rows, the whole k. The e4m3 decode
+// (12 uops per 16 codes) is shared by the MB rows, which is what makes batches and
+// prefill cheaper per row than M = 1 (the old tiles took MB <= 2 and decoded every code
+// once per pair of activation rows).
 template <int R, int MB>
-void fp8_tile(const uint16_t* xp, int64_t ks, const Fp8Matrix& w, int64_t r0, float* y,
-              int64_t ldy, int64_t n_end) {
+void fp8_tile(const float* xf, int64_t ks, const Fp8Matrix& w, int64_t r0, float* y, int64_t ldy,
+              int64_t n_end) {
+  constexpr int S = MB <= 2 ? 2 : 1;
   const int64_t nkb = (w.k + w.block_k - 1) / w.block_k;
   const uint8_t* rows[R];
   const float* srow[R];
@@ -86,13 +93,12 @@ void fp8_tile(const uint16_t* xp, int64_t ks, const Fp8Matrix& w, int64_t r0, fl
   for (int64_t kb = 0; kb < nkb; ++kb) {
     const int64_t k0 = kb * w.block_k, k1 = std::min(w.k, k0 + w.block_k);
     const int64_t kfull = k0 + (k1 - k0) / 16 * 16;
-    __m256 acc[R][MB];
+    __m256 acc[R][MB][S];
     for (int r = 0; r < R; ++r)
-      for (int i = 0; i < MB; ++i) acc[r][i] = _mm256_setzero_ps();
-    // whole 16-code chunks: no call in this loop. The tail's memcpy below used to sit in it,
-    // and a call inside the loop made the compiler keep its constants and accumulators in
-    // stack memory: M = 1 ran at 5.6 GB/s on one Zen 3 core (7.7 now; 2 threads 9.8 -> 14.1,
-    // the read probe 22-26 GB/s beside it)
+      for (int i = 0; i < MB; ++i)
+        for (int s = 0; s < S; ++s) acc[r][i][s] = _mm256_setzero_ps();
+    // whole 16-code chunks: no call in this loop. A memcpy inside it made the compiler keep
+    // its constants and accumulators in stack memory (M = 1 at 5.6 GB/s on a Zen 3 core).
     for (int64_t c = k0; c < kfull; c += 16) {
       if ((c & 63) == 0)
         for (int r = 0; r < R; ++r)
@@ -100,7 +106,7 @@ void fp8_tile(const uint16_t* xp, int64_t ks, const Fp8Matrix& w, int64_t r0, fl
       __m128i codes[R];
       for (int r = 0; r < R; ++r)
         codes[r] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[r] + c));
-      fp8_step<R, MB>(xp, ks, c, codes, acc);
+      fp8_step<R, MB, S>(xf, ks, c, codes, acc);
     }
     if (kfull < k1) {  // partial last chunk: never read past the row (it may end the buffer)
       __m128i codes[R];
@@ -109,15 +115,44 @@ void fp8_tile(const uint16_t* xp, int64_t ks, const Fp8Matrix& w, int64_t r0, fl
         std::memcpy(tmp, rows[r] + kfull, k1 - kfull);
         codes[r] = _mm_load_si128(reinterpret_cast<const __m128i*>(tmp));
       }
-      fp8_step<R, MB>(xp, ks, kfull, codes, acc);
+      fp8_step<R, MB, S>(xf, ks, kfull, codes, acc);
     }
     for (int r = 0; r < R; ++r) {
       const __m256 s = _mm256_set1_ps(srow[r][kb] * 256.0f);  // undo the f16 2^-8
-      for (int i = 0; i < MB; ++i) tot[r][i] = _mm256_fmadd_ps(acc[r][i], s, tot[r][i]);
+      for (int i = 0; i < MB; ++i) {
+        const __m256 a = S == 2 ? _mm256_add_ps(acc[r][i][0], acc[r][i][S - 1]) : acc[r][i][0];
+        tot[r][i] = _mm256_fmadd_ps(a, s, tot[r][i]);
+      }
     }
   }
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < MB; ++i) y[i * ldy + r0 + r] = hsum(tot[r][i]);
+}
+
+// MB (1..4) packed bf16 activation rows -> f32 rows of ks floats (exact: bf16 << 16).
+void unpack_x(const uint16_t* xp, int64_t ks, int64_t mb, float* xf) {
+  for (int64_t i = 0; i < mb; ++i)
+    for (int64_t c = 0; c < ks; c += 8) _mm256_store_ps(xf + i * ks + c, bf16x8(xp + i * ks + c));
+}
+
+// Weight rows [n0, n1) x one block of MB f32 activation rows: pairs of weight rows, then
+// the odd one.
+template <int MB>
+void fp8_rows_block(const float* xf, int64_t ks, const Fp8Matrix& w, int64_t n0, int64_t n1,
+                    float* y, int64_t ldy) {
+  int64_t r = n0;
+  for (; r + 2 <= n1; r += 2) fp8_tile<2, MB>(xf, ks, w, r, y, ldy, n1);
+  if (r < n1) fp8_tile<1, MB>(xf, ks, w, r, y, ldy, n1);
+}
+
+void fp8_rows_any(const float* xf, int64_t ks, int64_t mb, const Fp8Matrix& w, int64_t n0,
+                  int64_t n1, float* y, int64_t ldy) {
+  switch (mb) {
+    case 1: return fp8_rows_block<1>(xf, ks, w, n0, n1, y, ldy);
+    case 2: return fp8_rows_block<2>(xf, ks, w, n0, n1, y, ldy);
+    case 3: return fp8_rows_block<3>(xf, ks, w, n0, n1, y, ldy);
+    default: return fp8_rows_block<4>(xf, ks, w, n0, n1, y, ldy);
+  }
 }
 
 template <int R, int MB>
@@ -240,10 +275,31 @@ void gemm_rows(const uint16_t* xp, int64_t m, const Matrix& w, int64_t n0, int64
 
 }  // namespace
 
+// FP8 rows: x becomes f32 once per block of 4 activation rows (a thread's scratch), so
+// the tiles read it with plain loads (converting bf16 x in the tile cost 3 uops per 8
+// values per weight-row pair). Up to 4 rows (decode) the weights stream once; beyond that
+// (prefill) the weight rows go in chunks sized to stay in L2 (~256 KiB) while every block
+// of 4 activation rows passes over the chunk, instead of re-reading all weights per block.
 void fp8_gemm_rows_avx2(const uint16_t* xp, int64_t m, const Fp8Matrix& w, int64_t n0,
                         int64_t n1, float* y, int64_t ldy) {
-  gemm_rows(xp, m, w, n0, n1, y, ldy, fp8_tile<1, 1>, fp8_tile<1, 2>, fp8_tile<2, 1>,
-            fp8_tile<2, 2>);
+  constexpr int64_t kMb = 4, kChunkBytes = 256 << 10;
+  thread_local IsaScratch<float> scratch;  // not std::vector: see isa_scratch.h
+  const int64_t ks = packed_x_stride(w.k);
+  float* xf = scratch.reserve(static_cast<size_t>(kMb * ks));
+  if (m <= kMb) {
+    unpack_x(xp, ks, m, xf);
+    fp8_rows_any(xf, ks, m, w, n0, n1, y, ldy);
+    return;
+  }
+  const int64_t chunk = std::max<int64_t>(8, kChunkBytes / std::max<int64_t>(1, w.k)) / 2 * 2;
+  for (int64_t c0 = n0; c0 < n1; c0 += chunk) {
+    const int64_t c1 = std::min(n1, c0 + chunk);
+    for (int64_t i0 = 0; i0 < m; i0 += kMb) {
+      const int64_t mb = std::min(kMb, m - i0);
+      unpack_x(xp + i0 * ks, ks, mb, xf);
+      fp8_rows_any(xf, ks, mb, w, c0, c1, y + i0 * ldy, ldy);
+    }
+  }
 }
 
 void int4_gemm_rows_avx2(const uint16_t* xp, int64_t m, const Int4Matrix& w, int64_t n0,
