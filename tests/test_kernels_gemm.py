@@ -53,7 +53,7 @@ def test_fp8_decode_all_codes_vs_ml_dtypes(isa):
 
 
 @pytest.mark.parametrize("isa", ISAS, ids=lambda i: ISA_IDS[i])
-@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("m", [1, 5, 20])
 @pytest.mark.parametrize("k", [144, 200], ids=["whole-16-tail", "partial-tail"])
 def test_fp8_nan_code_anywhere_gives_nan_row(isa, m, k):
     """A NaN code at any position of a row (either half of a 32-code step, a block's last 16
@@ -122,11 +122,13 @@ def test_fp8_matmul_matches_ref(isa, m, n, k):
 
 
 @pytest.mark.parametrize("isa", ISAS, ids=lambda i: ISA_IDS[i])
-@pytest.mark.parametrize("m", [4, 5, 11])
+@pytest.mark.parametrize("m", [4, 5, 11, 16, 300])
 def test_fp8_matmul_row_chunks_matches_ref(isa, m):
-    """A long k makes the AVX2 path's prefill loop (M > 4) split the weight rows into several
-    L2-sized chunks (256 KiB / k = 16 rows here: 16 + 16 + 11, the last with an odd row) with
-    blocks of 4 activation rows and a partial block; M = 4 is the largest decode block."""
+    """A long k makes the AVX2 path's row tiles (4 < M < 16) split the weight rows into
+    several L2-sized chunks (256 KiB / k = 16 rows here: 16 + 16 + 11, the last with an odd
+    row) with blocks of 4 activation rows and a partial block; M = 4 is the largest decode
+    block. From M = 16 its GEMM runs: 128 k blocks, 7 panels of 6 rows + 1, and at M = 300
+    two passes of x^T (256 + 44 rows, padded to 48)."""
     rng = np.random.default_rng(7 + m)
     n, k = 43, 16384
     t = fp8_weight(rng, n, k)
