@@ -8,7 +8,8 @@ Two parts:
 1. Measured here: the real-shape bench twin (deepseek_v3_bench) prefills through the engine with the
    `cpu` schedule (routed experts on the CPU) and `slp` (experts streamed through the staging
    ring to the stand-in accelerator), at short prompts (this CPU computes ~0.05 TFLOPS);
-   with the full run also slp under an emulated 1 GB/s link (Engine link_gbps). The
+   with the full run also slp under emulated 1 GB/s and 0.1 GB/s links (Engine link_gbps;
+   0.1 GB/s is under the stand-in's weight convert rate, so the link binds). The
    simulator times the same plans on configs/systems/local.toml re-based on a side-by-side
    read probe; sim_error_prefill is the mean absolute % error of the prefill times.
 2. Projection: DeepSeek-V3 FP8 on configs/systems/paper_epyc9355_rtx5090.toml with one GPU:
@@ -52,8 +53,13 @@ def measured_here(quick: bool) -> list[dict[str, Any]]:
     probe = ReadProbe()
     probe.gbps()
     rows = []
-    # (link cap, schedules, lengths): the emulated 1 GB/s link only at the shortest length
-    runs = [(None, ("cpu", "slp"), lengths)] + ([] if quick else [(1.0, ("slp",), lengths[:1])])
+    # (link cap, schedules, lengths): emulated links only at the shortest length. 1 GB/s is
+    # above the stand-in's weight convert rate (0.17-0.29 GB/s measured), so the conversion
+    # binds there; 0.1 GB/s is well under it, the row where the link itself binds (e10's
+    # link-bound case; 2.8 GB of the twin's experts at 0.1 GB/s: ~30 s a prefill)
+    runs = [(None, ("cpu", "slp"), lengths)] + (
+        [] if quick else [(1.0, ("slp",), lengths[:1]), (0.1, ("slp",), lengths[:1])]
+    )
     for link, scheds, lens in runs:
         eng = make_engine(cfg, params, max_len=max_len, max_batch=1, link_gbps=link)
         for sched in scheds:
