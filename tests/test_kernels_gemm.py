@@ -173,6 +173,22 @@ def test_int4_matmul_matches_ref(isa, m, n, k, group):
 
 
 @pytest.mark.parametrize("isa", ISAS, ids=lambda i: ISA_IDS[i])
+@pytest.mark.parametrize("m", [4, 5, 11, 16, 300])
+def test_int4_matmul_row_chunks_matches_ref(isa, m):
+    """INT4 through the AVX2 path's row chunks (4 < M < 16: 256 KiB / 8 KiB rows = 32 rows
+    here, 32 + 11) and its GEMM (M = 16; M = 300 in two x^T passes), group 128."""
+    rng = np.random.default_rng(11 + m)
+    n, k, group = 43, 16384, 128
+    w = quantize_int4_np(rng.standard_normal((n, k)).astype(np.float32), group=group)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    y = np.asarray(gemm.int4_matmul(jnp.asarray(x), w, max_isa=isa))
+    ref = np.asarray(gemm.int4_matmul_ref(x, w))
+    assert y.shape == (m, n)
+    s_full = np.repeat(np.asarray(w.scale, np.float32), group, axis=-1)  # see the test above
+    assert np.all(np.abs(y - ref) <= err_bound(x, dequantize_int4_np(w)) + err_bound(x, 136.0 * s_full))
+
+
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: ISA_IDS[i])
 @pytest.mark.parametrize("k", [128, 192], ids=["block", "block-and-tail-chunk"])
 def test_int4_all_nibbles_every_position(isa, k):
     """All 16 int4 values at every position of a 128-block (all four nibbles of a 16-bit

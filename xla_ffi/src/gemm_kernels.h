@@ -141,6 +141,11 @@ using IsaGemmRowsFn = void(const uint16_t* xp, int64_t m, const Matrix& w, int64
 IsaGemmRowsFn<Fp8Matrix> fp8_gemm_rows_portable, fp8_gemm_rows_avx2, fp8_gemm_rows_avx512;
 IsaGemmRowsFn<Int4Matrix> int4_gemm_rows_portable, int4_gemm_rows_avx2, int4_gemm_rows_avx512;
 IsaGemmRowsFn<Bf16Matrix> bf16_gemm_rows_portable, bf16_gemm_rows_avx2, bf16_gemm_rows_avx512;
+// The AVX2 paths' prefill GEMM (gemm_prefill_avx2.cc), which their *_gemm_rows_avx2 call
+// from kAvx2GemmMinRows activation rows (x in the AVX2 layout, natural order).
+constexpr int64_t kAvx2GemmMinRows = 16;
+IsaGemmRowsFn<Fp8Matrix> fp8_gemm_prefill_avx2;
+IsaGemmRowsFn<Int4Matrix> int4_gemm_prefill_avx2;
 // pack_x_f32 / pack_x_bf16 for the AVX-512 layouts (exactly one of xf, xb non-null).
 void pack_x_avx512(WeightFormat fmt, const float* xf, const uint16_t* xb, int64_t m,
                    int64_t ldx, int64_t k, uint16_t* xp);
