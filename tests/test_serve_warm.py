@@ -48,7 +48,9 @@ class _Tok:
 
 
 @pytest.mark.slow
-def test_health_warming_then_no_compile_for_8_concurrent_and_1500_and_700_token_prompts(ckpt):
+def test_health_warming_then_no_compile_for_8_concurrent_and_1500_and_700_token_prompts(
+    ckpt, no_persistent_compile_cache
+):
     cfg, params = load_checkpoint(ckpt, progress=False)
     eng = Engine(params, cfg, devices=1, max_len=2048, max_batch=8)
     sched = Scheduler(eng, "paper").start()
