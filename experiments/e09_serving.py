@@ -497,6 +497,9 @@ def main(argv: list[str] | None = None) -> dict:
         for c in clients:
             ours, theirs = per("hmoe", c, "output_tok_s"), per("llama-server", c, "output_tok_s")
             summary[f"llama_server_output_tok_s_c{c}"] = theirs
+            summary[f"llama_server_tpot_all_decoding_ms_c{c}"] = per(
+                "llama-server", c, "tpot_all_decoding_ms"
+            )
             summary[f"throughput_vs_llama_server_c{c}"] = ours / theirs if ours and theirs else None
         summary["llama_server_join_ttft_ms"] = per("llama-server", 0, "join_ttft_ms", "join")
     for c in clients:

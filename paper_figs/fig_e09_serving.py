@@ -29,6 +29,19 @@ PARTS = [
 ]
 
 
+def peer_tpot(rec: dict, clients: int) -> float:
+    xs = sorted(
+        r["tpot_all_decoding_ms"]
+        for r in rec["rows"]
+        if r.get("part") == "decode" and r.get("server") == "llama-server" and r.get("clients") == clients
+        and r.get("tpot_all_decoding_ms") is not None
+    )  # fmt: skip
+    if not xs:
+        return 0.0
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("record", nargs="?", type=Path)
@@ -45,17 +58,18 @@ def main() -> None:
     ax1.bar([i - w for i in x], step, w, color="#8c8c8c", label="engine step, c rows (same run)")
     ax1.bar(list(x), tpot, w, color="#c44e52", label="hmoe serve TPOT, all c decoding")
     if any(f"llama_server_output_tok_s_c{c}" in sm for c in clients):
-        peer = [
-            1e3 * c / sm[f"llama_server_output_tok_s_c{c}"] if sm.get(f"llama_server_output_tok_s_c{c}") else 0
-            for c in clients
-        ]
-        ax1.bar([i + w for i in x], peer, w, color="#4c72b0", label="llama-server, c / output tok/s")
+        # llama-server's TPOT while all c decode, the same measure as ours (median of its
+        # rounds' rows; records before the summary key have only the rows). c / output tok/s
+        # would also count its prefills and be ~1.8x its TPOT at one client
+        peer = [sm.get(f"llama_server_tpot_all_decoding_ms_c{c}") or peer_tpot(rec, c) for c in clients]
+        ax1.bar([i + w for i in x], peer, w, color="#4c72b0", label="llama-server TPOT, all c decoding")
     for i, c in enumerate(clients):
         if (o := sm.get(f"serve_overhead_c{c}")) is not None:
             ax1.annotate(f"{o:.2f}x", (i, tpot[i]), ha="center", va="bottom", fontsize=8)
     ax1.set_xticks(list(x), [f"{c} client{'s' if c > 1 else ''}" for c in clients])
     ax1.set_ylabel("ms per output token")
-    ax1.legend(fontsize=8)
+    ax1.set_ylim(0, 1.35 * max(step + tpot + [1.0]))  # room for the legend above the bars
+    ax1.legend(fontsize=8, loc="upper left")
     ax1.set_title("TPOT vs the engine's own step")
     bottoms = [0.0] * len(clients)
     for key, label, color in PARTS:
