@@ -27,11 +27,12 @@ class WarmUp:
     policy: Any
     trace: Any
 
-    def warm_up(self, max_batch: int | None = None, *, rounds: int = 3, pos: int = 128) -> dict[str, Any]:
+    def warm_up(self, max_batch: int | None = None, *, rounds: int = 5, pos: int = 128) -> dict[str, Any]:
         """Before serving: compile the decode step of every batch size 1..max_batch (default
         the engine's rows), and where the policy's decode choice depends on measured steps
-        (it asks to measure), time each arm it compares `rounds` times, interleaved, on
-        scratch pool rows at position `pos`, and give the core their medians. Serving then
+        (it asks to measure), time each arm it compares `rounds` times, interleaved in a
+        rotating order, on scratch pool rows at position `pos`, and give the core their
+        medians. Serving then
         neither compiles a decode shape nor measures on live requests. Returns what it did:
         seconds per phase and the arms' medians."""
         eng = self.engine
@@ -63,8 +64,11 @@ class WarmUp:
             for arm in arms:  # compile each dual arm's traced halves once, untimed
                 self._run_step(seqs[: arm[0]], arm[1], True)
             times: dict[tuple[int, int], list[float]] = {arm: [] for arm in arms}
-            for _ in range(rounds):
-                for arm in arms:
+            # the order rotates every round: with a fixed order the first arm of each round
+            # read slow every time (e09, bench twin: plain 2 rows 200 ms at warm-up against
+            # 168 ms steady, so the policy picked the 2-row dual arm at 190 ms, 211 ms steady)
+            for r in range(rounds):
+                for arm in arms[r % len(arms) :] + arms[: r % len(arms)]:
                     for s in seqs:  # rewind: every arm decodes the same positions
                         s.tokens, s.pos = [1], pos
                     t = time.perf_counter()
