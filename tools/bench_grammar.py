@@ -37,7 +37,11 @@ SCHEMA = {  # a typical extraction schema: nested object, array, enum, numbers, 
         "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 8},
         "address": {
             "type": "object",
-            "properties": {"street": {"type": "string"}, "city": {"type": "string"}, "zip": {"type": "string"}},
+            "properties": {
+                "street": {"type": "string"},
+                "city": {"type": "string"},
+                "zip": {"type": "string"},
+            },
             "required": ["street", "city"],
             "additionalProperties": False,
         },
@@ -94,7 +98,11 @@ def doc_tokens(tok_json: str) -> list[int]:
 
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet, inverted (token string char -> byte)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -212,7 +220,11 @@ def main() -> None:
             r["tokenizer"] = name
             print(json.dumps(r))
             results.append(r)
-    out = {"schema": SCHEMA, "document_chars": len(json.dumps(DOC, separators=(",", ":"))), "results": results}
+    out = {
+        "schema": SCHEMA,
+        "document_chars": len(json.dumps(DOC, separators=(",", ":"))),
+        "results": results,
+    }
     if args.out:
         args.out.write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps({"results": results}))
