@@ -112,7 +112,10 @@ def test_activation_rounding_is_bit_exact(isa, k):
 @pytest.mark.parametrize("m", M_VALUES)
 @pytest.mark.parametrize("n,k", [(300, 448), (257, 200)], ids=["partial-blocks", "odd-n-partial-chunk"])
 def test_fp8_matmul_matches_ref(isa, m, n, k):
-    rng = np.random.default_rng(1000 * m + n)
+    check_fp8_matmul(isa, m, n, k, np.random.default_rng(1000 * m + n))
+
+
+def check_fp8_matmul(isa, m, n, k, rng):
     t = fp8_weight(rng, n, k)
     x = rng.standard_normal((m, k)).astype(np.float32)
     y = np.asarray(gemm.fp8_matmul(jnp.asarray(x), t, max_isa=isa))
@@ -129,14 +132,7 @@ def test_fp8_matmul_row_chunks_matches_ref(isa, m):
     row) with blocks of 4 activation rows and a partial block; M = 4 is the largest decode
     block. From M = 16 its GEMM runs: 128 k blocks, 7 panels of 6 rows + 1, and at M = 300
     two passes of x^T (256 + 44 rows, padded to 48)."""
-    rng = np.random.default_rng(7 + m)
-    n, k = 43, 16384
-    t = fp8_weight(rng, n, k)
-    x = rng.standard_normal((m, k)).astype(np.float32)
-    y = np.asarray(gemm.fp8_matmul(jnp.asarray(x), t, max_isa=isa))
-    ref = np.asarray(gemm.fp8_matmul_ref(x, t))
-    assert y.shape == (m, n)
-    assert np.all(np.abs(y - ref) <= err_bound(x, dequantize_np(t)))
+    check_fp8_matmul(isa, m, 43, 16384, np.random.default_rng(7 + m))
 
 
 @pytest.mark.parametrize("isa", ISAS, ids=lambda i: ISA_IDS[i])
