@@ -174,7 +174,10 @@ def test_batched_expert_efficiency_interpolates_time_per_expert(paper):
 def test_link_emulation_and_read_rebase_change_only_their_inputs(paper):
     capped = paper.with_link(1.0)
     assert capped["link.h2d_gbps"] == capped["link.d2h_gbps"] == 1.0
-    assert capped["cpu.copy_gbps"] == 1.0  # the engine's link cap throttles the ring's copies
+    # the engine's link cap paces the ring's copies; the measured memcpy rate stays (its
+    # threads are busy only for that long: tests/test_sim_interference.py)
+    assert capped.link_cap_gbps == 1.0 and paper.link_cap_gbps is None
+    assert capped.get("cpu", "copy_gbps") == paper.get("cpu", "copy_gbps")
     assert capped.src["link"]["h2d_gbps"].startswith("derived:")
     re = paper.with_read_gbps(500.0, "measured: a probe")
     # 500 GB/s sustained over 2 nodes at efficiency 0.8: 312.5 GB/s peak per node

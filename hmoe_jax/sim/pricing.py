@@ -112,6 +112,7 @@ class Rates:
             self.expert_dram["int4"] = self.dram * cpu["int4_expert_bw_efficiency"]
         self.expert_flops = cpu["bf16_tflops_per_node"] * cpu["expert_compute_efficiency"] * TERA
         self.copy = cpu["copy_gbps"] * GB if "copy_gbps" in cpu else None
+        self.copy_cap = p.link_cap_gbps * GB if p.link_cap_gbps else None  # an emulated link's pacing
         eff = acc["compute_efficiency"]
         self.acc = {d: acc[f"{d}_tflops"] * eff * TERA for d in ("fp32", "bf16", "fp8")}
         self.acc_mem = acc["mem_gbps"] * acc["mem_efficiency"] * GB
@@ -246,8 +247,12 @@ def _copy(rates: Rates, nbytes: float, owner: int, overhead_s: float) -> Phase:
     _host(d, rates, 2 * nbytes)
     # a memcpy reads and writes interleaved host memory: the far node's share crosses sockets
     interference.add_demand(d, interference.cross_socket_demand(rates.itf, 2 * nbytes))
-    # its threads are busy cores for as long as the copy takes alone (sim/interference.py)
-    interference.add_demand(d, interference.copy_core_demand(rates.itf, max(d.values(), default=0.0)))
+    # its threads are busy cores for as long as the memcpy itself takes alone
+    # (sim/interference.py); an emulated link's pacing stretches the copy, not that time
+    busy_s = max(d.values(), default=0.0)
+    if rates.copy_cap is not None:
+        d[f"copy{owner}"] = max(d.get(f"copy{owner}", 0.0), nbytes / rates.copy_cap)
+    interference.add_demand(d, interference.copy_core_demand(rates.itf, busy_s))
     return Phase("copy", d, overhead_s)
 
 

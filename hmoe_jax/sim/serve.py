@@ -234,6 +234,8 @@ class SimServer(CoreRunner):
         nbytes = self._kv_bytes(tokens)
         link = self.profile.values["link"]
         host_copy = float(self.profile.get("cpu", "copy_gbps", link["h2d_gbps"])) * GB
+        if self.profile.link_cap_gbps:  # an emulated link paces the host copies too
+            host_copy = min(host_copy, self.profile.link_cap_gbps * GB)
         on_host = self.profile.values["accelerator"]["placement"] == "host"
         dev = 0.0 if on_host else nbytes / (link["d2h_gbps"] * GB) + nbytes / (link["h2d_gbps"] * GB)
         host = (2 if through_host_shm else 1) * nbytes / host_copy if (on_host or through_host_shm) else 0.0
