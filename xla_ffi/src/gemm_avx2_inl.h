@@ -8,15 +8,9 @@
 #include <cstdint>
 #include <cstring>
 
-namespace {
+#include "bf16_bits_inl.h"
 
-// bf16 bits -> f32, inline (a call into the portable TU per group costs ~40% at M = 1).
-inline float scale_bf16(uint16_t bits) {
-  const uint32_t u = static_cast<uint32_t>(bits) << 16;
-  float v;
-  std::memcpy(&v, &u, 4);
-  return v;
-}
+namespace {
 
 // 16 FP8 e4m3 codes -> 16 f16 (as 16-bit lanes) = value * 2^-8, NaN codes -> f16 NaN.
 inline __m256i fp8_to_f16(__m128i codes) {
