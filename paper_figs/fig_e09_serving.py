@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 import matplotlib
@@ -30,16 +31,14 @@ PARTS = [
 
 
 def peer_tpot(rec: dict, clients: int) -> float:
-    xs = sorted(
+    """Median of llama-server's per-round TPOT rows (records before the summary key)."""
+    xs = [
         r["tpot_all_decoding_ms"]
         for r in rec["rows"]
         if r.get("part") == "decode" and r.get("server") == "llama-server" and r.get("clients") == clients
         and r.get("tpot_all_decoding_ms") is not None
-    )  # fmt: skip
-    if not xs:
-        return 0.0
-    mid = len(xs) // 2
-    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+    ]  # fmt: skip
+    return statistics.median(xs) if xs else 0.0
 
 
 def main() -> None:

@@ -35,16 +35,11 @@ if (
     os.environ.get("HMOE_TEST_XLA_CACHE", "").lower() != "none"
     and "JAX_COMPILATION_CACHE_DIR" not in os.environ
 ):
+    from hmoe_jax.serve.http_server import configure_compile_cache  # `hmoe serve --compile-cache`'s
+
     _xla_cache = tempfile.mkdtemp(prefix="hmoe-test-xla-")
     atexit.register(shutil.rmtree, _xla_cache, True)
-    for _k, _v in {
-        "jax_enable_compilation_cache": True,
-        "jax_compilation_cache_dir": _xla_cache,
-        "jax_persistent_cache_min_compile_time_secs": 0.0,
-        "jax_persistent_cache_min_entry_size_bytes": -1,
-    }.items():
-        jax.config.update(_k, _v)
-        os.environ[_k.upper()] = str(_v).lower() if isinstance(_v, bool) else str(_v)
+    configure_compile_cache(_xla_cache)  # every program kept; subprocesses inherit it by env
 
 # Every XLA:CPU executable holds ~3 memory mappings (code, read-only data, data) and jax's
 # jit caches keep every executable alive for the life of the process. The default lane

@@ -32,9 +32,8 @@ class WarmUp:
         the engine's rows), and where the policy's decode choice depends on measured steps
         (it asks to measure), time each arm it compares `rounds` times, interleaved in a
         rotating order, on scratch pool rows at position `pos`, and give the core their
-        medians. Serving then
-        neither compiles a decode shape nor measures on live requests. Returns what it did:
-        seconds per phase and the arms' medians."""
+        medians. Serving then neither compiles a decode shape nor measures on live requests.
+        Returns what it did: seconds per phase and the arms' medians."""
         eng = self.engine
         cap = min(int(max_batch or eng.max_batch), len(eng.pool.free_rows))
         pos = min(int(pos), eng.max_len - rounds * 2 - 2)
