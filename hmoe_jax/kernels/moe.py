@@ -244,3 +244,17 @@ def bf16_dot_peak_flops(num_threads: int = 0, iters: int = 20_000_000, repeats: 
         float(np.asarray(call(iters=np.int64(iters), num_threads=np.int64(num_threads)))[0])
         for _ in range(repeats)
     )
+
+
+def fma_peak_flops(num_threads: int = 0, iters: int = 20_000_000, repeats: int = 3) -> float:
+    """Measured f32 FMA peak (FLOP/s) of this machine: register-resident 8-lane vfmadd chains
+    on `num_threads` threads of our pool (xla_ffi/src/moe_peak*.cc), best of `repeats`. The
+    compute probe on CPUs without AVX-512-BF16. RuntimeError without AVX2 + FMA."""
+    ffi.register_all()
+    if not ffi.cpu_features()["avx2"]:
+        raise RuntimeError("fma_peak_flops needs AVX2 + FMA, which this CPU lacks")
+    call = jax.ffi.ffi_call("hmoe_fma_peak", jax.ShapeDtypeStruct((2,), jnp.float32), has_side_effect=True)
+    return max(
+        float(np.asarray(call(iters=np.int64(iters), num_threads=np.int64(num_threads)))[0])
+        for _ in range(repeats)
+    )

@@ -210,11 +210,19 @@ def calibrate(quick: bool = False, devices: int = 2) -> dict[str, Any]:
     m["attention"] = standin_attention(rng, probe, reps)
     print(f"[calibrate] stand-in attention {m['attention']}", flush=True)
     if probe.all_tflops:
-        m["bf16_peak_tflops"] = statistics.median(probe.all_tflops)
-        m["bf16_peak_how"] = (
-            f"register-resident VDPBF16PS loop on all pool threads (hmoe_bf16_dot_peak, 2M iterations), "
-            f"median of {len(probe.all_tflops)} probes taken between the kernel measurements"
+        # the compute probe's own reading, the reference a validation run re-bases on
+        # (plan/profile.Profile.with_host_state); it is the bf16 peak only where it measures it
+        m["compute_probe_tflops"] = statistics.median(probe.all_tflops)
+        loop = {
+            "bf16_dot": "register-resident VDPBF16PS loop on all pool threads (hmoe_bf16_dot_peak, 2M iterations)",
+            "fma_f32": "register-resident 8-lane f32 FMA loop on all pool threads (hmoe_fma_peak, 8M iterations)",
+        }[probe.tflops_kind]
+        m["compute_probe_how"] = (
+            f"{loop}, median of {len(probe.all_tflops)} probes taken between the kernel measurements"
         )
+    if probe.tflops_kind == "bf16_dot":
+        m["bf16_peak_tflops"] = m["compute_probe_tflops"]
+        m["bf16_peak_how"] = m["compute_probe_how"]
     else:
         m["bf16_peak_tflops"] = m["fp8_experts"]["prefill_tflops"]
         m["bf16_peak_how"] = "no AVX-512-BF16: the expert op's own prefill rate stands for the peak"

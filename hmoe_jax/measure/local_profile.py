@@ -40,6 +40,17 @@ def write_profile(path: Path, m: dict[str, Any]) -> str:
             ),
             "dram_efficiency": (1.0, "derived: dram_gbps_per_node is already the sustained read rate"),
             "bf16_tflops_per_node": (peak, f"{here}: {peak_how}"),
+            **(
+                {
+                    "compute_probe_tflops": (
+                        m["compute_probe_tflops"],
+                        f"{here}: {m['compute_probe_how']} (the reference a validation run's own probe "
+                        "re-bases the host-core rates on)",
+                    )
+                }
+                if "compute_probe_tflops" in m
+                else {}
+            ),
             "expert_bw_efficiency": (
                 min(1.0, fx["m1_gbps"] / fx["m1_probe_gbps"]),
                 f"{here}: fused FP8 MoE op M=1 {fx['m1_gbps']:.1f} GB/s over its side-by-side read probe "

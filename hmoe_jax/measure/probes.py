@@ -1,6 +1,7 @@
 """Probes of this machine's rates: DRAM read bandwidth (the hmoe_read_bytes kernel: 512-bit
-loads on the GEMM kernels' own thread pool, over a buffer much larger than L3) and the bf16
-dot-product peak (hmoe_bf16_dot_peak).
+loads on the GEMM kernels' own thread pool, over a buffer much larger than L3) and a
+register-resident compute peak: the bf16 dot-product one (hmoe_bf16_dot_peak) where the CPU
+has AVX-512-BF16, else the f32 FMA one (hmoe_fma_peak).
 
 - ReadProbe: one read of 1 GiB per call, kept for side-by-side timing (measure/timing.py);
 - measure_read_bw: the median read rate of a few reads (experiments' ceilings).
@@ -55,6 +56,7 @@ class ReadProbe:
         self.arr = touched_buffer(GIB)
         self.all_gbps: list[float] = []
         self.all_tflops: list[float] = []
+        self.tflops_kind: str | None = None  # "bf16_dot" / "fma_f32" once tflops() has run
 
     def gbps(self) -> float:
         import jax
@@ -68,17 +70,30 @@ class ReadProbe:
         return g
 
     def tflops(self) -> float | None:
-        """A short bf16 dot-product peak probe (~60 ms; None without AVX-512-BF16): the same
-        estimator for calibrate and the simulator validation (experiments/common/simval.py),
-        so their ratio measures the neighbours."""
-        from hmoe_jax.kernels.moe import bf16_dot_peak_flops
+        """A short register-resident compute peak probe (~40-60 ms; None on a CPU with neither
+        AVX-512-BF16 nor AVX2): the bf16 dot-product loop where the CPU has AVX-512-BF16, else
+        the f32 FMA loop (tflops_kind says which). The same estimator for calibrate and the
+        simulator validation (experiments/common/simval.py), so their ratio measures the
+        neighbours: on a VM whose host lends its cores out, both the kernels and this loop
+        slow down together."""
+        from hmoe_jax.kernels.moe import bf16_dot_peak_flops, fma_peak_flops
 
-        try:
-            t = bf16_dot_peak_flops(iters=2_000_000, repeats=1) / 1e12
-        except RuntimeError:
-            return None
-        self.all_tflops.append(t)
-        return t
+        for kind, fn, iters in (
+            ("bf16_dot", bf16_dot_peak_flops, 2_000_000),
+            ("fma_f32", fma_peak_flops, 8_000_000),
+        ):
+            if self.tflops_kind not in (None, kind):
+                continue
+            try:
+                if self.tflops_kind is None:
+                    fn(iters=iters // 8, repeats=1)  # the first call compiles: not a reading
+                t = fn(iters=iters, repeats=1) / 1e12
+            except RuntimeError:
+                continue
+            self.tflops_kind = kind
+            self.all_tflops.append(t)
+            return t
+        return None
 
 
 def dram_corun(nbytes: int = 256 << 20, rounds: int = 3, readers: int = 2) -> dict[str, float]:

@@ -60,6 +60,10 @@ SCHEMA: dict[str, dict[str, _R]] = {
         "dram_gbps_per_node": (float, True, "pos"),  # peak read bandwidth of one node
         "dram_efficiency": (float, True, "frac"),  # sustained streaming read / peak
         "bf16_tflops_per_node": (float, True, "pos"),  # peak of the instructions our kernels use
+        # the side-by-side compute probe's reading (all cores) when the profile was measured
+        # (measure/probes.ReadProbe.tflops): a validation run re-bases the host-core rates on
+        # its own probe over this one (with_host_state); absent: over bf16_tflops_per_node
+        "compute_probe_tflops": (float, False, "pos"),
         "expert_bw_efficiency": (float, True, "frac"),  # expert kernel bytes/s / sustained read
         "expert_compute_efficiency": (float, True, "frac"),  # expert kernel flops/s / peak (large M)
         # prefill M is not one point: the kernel unpacks each expert's weights once per call,
@@ -335,15 +339,21 @@ class Profile:
 
     def with_host_state(self, read_gbps: float, peak_tflops: float | None, why: str) -> Profile:
         """with_read_gbps, and with every rate that runs on the host's cores (the CPU's bf16
-        peak; a stand-in accelerator's GEMM and convert rates) scaled by peak_tflops over
-        the calibrated peak: a side-by-side compute probe in the run being predicted, for a
-        machine whose neighbours take cores. Efficiencies stay as calibrated."""
+        peak; a stand-in accelerator's GEMM and convert rates) scaled by peak_tflops, a
+        side-by-side compute probe in the run being predicted, over the same probe's reading
+        at calibration (cpu.compute_probe_tflops; a profile without it: over the calibrated
+        bf16 peak, which that probe measured): for a machine whose neighbours take cores.
+        Efficiencies stay as calibrated."""
         prof = self.with_read_gbps(read_gbps, why)
         if peak_tflops is None:
             return prof
         values = {s: dict(kv) for s, kv in prof.values.items()}
         src = {s: dict(kv) for s, kv in prof.src.items()}
-        scale = float(peak_tflops) / self.numa_nodes / float(values["cpu"]["bf16_tflops_per_node"])
+        ref = values["cpu"].get("compute_probe_tflops")
+        if ref is not None:
+            scale = float(peak_tflops) / float(ref)
+        else:
+            scale = float(peak_tflops) / self.numa_nodes / float(values["cpu"]["bf16_tflops_per_node"])
         keys = [("cpu", "bf16_tflops_per_node")]
         if values["accelerator"]["placement"] == "host":
             keys += [

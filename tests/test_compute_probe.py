@@ -1,0 +1,87 @@
+"""The side-by-side compute probe (measure/probes.ReadProbe.tflops, xla_ffi/src/moe_peak*.cc)
+and how a validation run re-bases the host-core rates on it (Profile.with_host_state)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from hmoe_jax.kernels import ffi
+from hmoe_jax.plan.profile import load_profile
+
+
+def _avx2() -> bool:
+    return bool(ffi.cpu_features()["avx2"])
+
+
+@pytest.mark.skipif(not _avx2(), reason="the f32 FMA probe needs AVX2 + FMA")
+def test_fma_probe_counts_its_flops():
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from hmoe_jax.kernels.moe import fma_peak_flops
+
+    ffi.register_all()
+    call = jax.ffi.ffi_call("hmoe_fma_peak", jax.ShapeDtypeStruct((2,), jnp.float32), has_side_effect=True)
+    rate, checksum = np.asarray(call(iters=np.int64(200_000), num_threads=np.int64(1)))
+    assert checksum == 1  # one thread ran its loop, and its sums are nonzero
+    assert math.isfinite(rate) and rate > 1e8  # 12 x 8-lane FMA chains: far above 0.1 GFLOP/s
+    assert fma_peak_flops(iters=200_000, repeats=1) > 1e8
+    with pytest.raises(Exception, match="iters must be >= 1"):
+        np.asarray(call(iters=np.int64(0), num_threads=np.int64(1)))
+
+
+def test_read_probe_names_the_loop_it_ran():
+    from hmoe_jax.measure.probes import ReadProbe
+
+    probe = ReadProbe.__new__(ReadProbe)  # no 1 GiB buffer: only the compute probe is used
+    probe.all_tflops, probe.tflops_kind = [], None
+    t = probe.tflops()
+    feats = ffi.cpu_features()
+    if not (feats["avx512"] or feats["avx2"]):
+        assert t is None and probe.tflops_kind is None
+        return
+    assert probe.tflops_kind == ("bf16_dot" if feats["avx512"] else "fma_f32")
+    assert t is not None and t > 0 and probe.all_tflops == [t]
+
+
+def _with_cpu(prof, **kv):
+    values = {s: dict(v) for s, v in prof.values.items()}
+    src = {s: dict(v) for s, v in prof.src.items()}
+    for k, v in kv.items():
+        values["cpu"][k], src["cpu"][k] = v, "test"
+    return dataclasses.replace(prof, values=values, src=src)
+
+
+def test_host_rates_rebase_on_the_probe_over_its_calibration_reading():
+    base = load_profile("paper_epyc9355_rtx5090")
+    # a host-placed stand-in accelerator, as local.toml describes this machine
+    values = {s: dict(v) for s, v in base.values.items()}
+    values["accelerator"]["placement"] = "host"
+    values["accelerator"]["attn_absorbed_tflops"] = 0.2
+    prof = _with_cpu(dataclasses.replace(base, values=values), compute_probe_tflops=0.4)
+    got = prof.with_host_state(100.0, 0.3, "test probe")  # the probe reads 0.75 of calibration
+    for s, k in (
+        ("cpu", "bf16_tflops_per_node"),
+        ("accelerator", "fp32_tflops"),
+        ("accelerator", "attn_absorbed_tflops"),
+    ):
+        assert got.values[s][k] == pytest.approx(0.75 * prof.values[s][k])
+    for s, k in (("cpu", "expert_compute_efficiency"), ("accelerator", "compute_efficiency")):
+        assert got.values[s][k] == prof.values[s][k]  # efficiencies stay as calibrated
+    cpu = got.values["cpu"]  # the read probe re-bases the sustained read rate per node
+    assert cpu["dram_gbps_per_node"] * cpu["dram_efficiency"] == pytest.approx(100.0 / prof.numa_nodes)
+    # without the reference reading: over the calibrated bf16 peak (per node), as before
+    old = dataclasses.replace(prof, values=values)
+    peak = old.values["cpu"]["bf16_tflops_per_node"] * old.numa_nodes
+    got_old = old.with_host_state(100.0, peak / 2, "test probe")
+    assert got_old.values["cpu"]["bf16_tflops_per_node"] == pytest.approx(
+        old.values["cpu"]["bf16_tflops_per_node"] / 2
+    )
+    assert (
+        prof.with_host_state(100.0, None, "no probe").values["cpu"]["bf16_tflops_per_node"]
+        == prof.values["cpu"]["bf16_tflops_per_node"]
+    )
