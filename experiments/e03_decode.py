@@ -63,7 +63,11 @@ def sim_here(cfg, r: dict[str, Any]) -> dict[str, Any]:
     from hmoe_jax.sim.run import simulate_decode_step
 
     sim = simulate_decode_step(
-        cfg, local_profile(r["probe_gbps"]), r["context"], batch=r["batch"], max_len=128
+        cfg,
+        local_profile(r["probe_gbps"], peak_tflops=r.get("probe_tflops")),
+        r["context"],
+        batch=r["batch"],
+        max_len=128,
     )
     return {
         "sim_step_s": sim["step_s"],

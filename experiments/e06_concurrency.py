@@ -353,19 +353,24 @@ def mixes(
     run_mix(backend, long_prompt, shorts, 2, mix_tokens)
     run_mix(backend, long_prompt, shorts, 1, mix_tokens)
 
-    def settled_gbps() -> float:
-        # the host read rate beside the runs (the simulator's replay input), not our own
-        # backend's tail: a probe right after a P/D round read 15-17 GB/s against 28-31 GB/s
-        # half a second later (its workers finish the cancelled decodes' last steps)
+    def settled_probes() -> tuple[float, float | None]:
+        # the host read rate and compute probe beside the runs (the simulator's replay
+        # inputs), not our own backend's tail: a probe right after a P/D round read 15-17 GB/s
+        # against 28-31 GB/s half a second later (its workers finish the cancelled decodes'
+        # last steps)
         time.sleep(0.5)
-        return statistics.median(probe.gbps() for _ in range(3))
+        gbps = statistics.median(probe.gbps() for _ in range(3))
+        tflops = [probe.tflops() for _ in range(3)]
+        return gbps, None if None in tflops else statistics.median(tflops)
 
     for k in (0, 1, 2):
-        gbps = [settled_gbps()]
+        probes = [settled_probes()]
         ref = [alone(backend, long_prompt, shorts, k, dec_tokens, mix_tokens) for _ in range(rounds)]
-        gbps.append(settled_gbps())
+        probes.append(settled_probes())
         mix = [run_mix(backend, long_prompt, shorts, k, mix_tokens) for _ in range(rounds)]
-        gbps.append(settled_gbps())
+        probes.append(settled_probes())
+        gbps = [g for g, _ in probes]
+        tflops = [t for _, t in probes]
         print(f"  [{name} k={k}] alone {_brief(ref)}, mix {_brief(mix)}", flush=True)
         ttft_a = statistics.median(x["ttft_s"] for x in ref)
         ttft_m = statistics.median(x["ttft_s"] for x in mix)
@@ -378,6 +383,7 @@ def mixes(
             "ttft_inflation": ttft_m / ttft_a,
             "rounds": rounds,
             "probe_gbps": statistics.median(gbps),
+            "probe_tflops": None if None in tflops else statistics.median(tflops),
             # each round's requests as measured (arrivals, token times): the simulator replays them
             "replay_alone": [x["requests"] for x in ref],
             "replay_mix": [x["requests"] for x in mix],

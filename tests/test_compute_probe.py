@@ -85,3 +85,20 @@ def test_host_rates_rebase_on_the_probe_over_its_calibration_reading():
         prof.with_host_state(100.0, None, "no probe").values["cpu"]["bf16_tflops_per_node"]
         == prof.values["cpu"]["bf16_tflops_per_node"]
     )
+
+
+def test_validation_rebases_compute_only_against_the_probes_own_reading(monkeypatch):
+    """experiments/common/simval.local_profile: the compute probe re-bases only a profile that
+    holds its reading at calibration (an older profile's bf16 peak is another estimator)."""
+    import hmoe_jax.plan.profile as profile_mod
+    from experiments.common.simval import local_profile
+
+    base = load_profile("paper_epyc9355_rtx5090")
+    with_ref = _with_cpu(base, compute_probe_tflops=0.4)
+    bf16 = base.values["cpu"]["bf16_tflops_per_node"]
+    monkeypatch.setattr(profile_mod, "load_profile", lambda name: with_ref)
+    assert local_profile(100.0, peak_tflops=0.2).values["cpu"]["bf16_tflops_per_node"] == pytest.approx(
+        bf16 / 2
+    )
+    monkeypatch.setattr(profile_mod, "load_profile", lambda name: base)
+    assert local_profile(100.0, peak_tflops=0.2).values["cpu"]["bf16_tflops_per_node"] == bf16
