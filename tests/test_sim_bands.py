@@ -163,3 +163,52 @@ def test_reproduce_writes_bands_a_band_column_and_fits_false(tmp_path, monkeypat
     fig = Path(__file__).resolve().parents[1] / "paper_figs" / "fig_bands.py"
     subprocess.run([sys.executable, str(fig), str(path), "--out-dir", str(tmp_path)], check=True)
     assert (tmp_path / "tornado_decode_fp8_tok_per_s.png").stat().st_size > 0
+
+
+def test_bands_of_other_headlines_carry_over(tmp_path, monkeypatch):
+    """A bands run over some experiments keeps the newest record's other headlines (the table
+    would otherwise lose their bands), each saying which record it came from."""
+    from hmoe_jax.cli import reproduce as rp
+    from hmoe_jax.sim import headlines
+
+    results = tmp_path / "results"
+    results.mkdir()
+    old = {"headlines": {"slp_tok_per_s_20k": {"central": 1.0, "low": 0.5, "high": 2.0, "fits": True}}}
+    (results / "bands_20261201T000000Z.json").write_text(json.dumps(old))
+    fresh = {"central": 3.0, "low": 2.0, "high": 4.0, "fits": True}
+    monkeypatch.setattr(
+        headlines,
+        "headline_bands",
+        lambda names, progress=None: {"headlines": {n: dict(fresh) for n in names}},
+    )
+    rec = json.loads(rp.write_bands(results, ["e03_decode"], quick=True).read_text())
+    assert rec["headlines"]["decode_fp8_tok_per_s"] == fresh
+    assert rec["headlines"]["slp_tok_per_s_20k"]["carried_over_from"] == "bands_20261201T000000Z"
+    assert rec["summary"]["slp_tok_per_s_20k"]["central"] == 1.0
+
+
+def test_serving_headlines_take_the_worst_mix_and_simulate_each_profile_once(monkeypatch):
+    """e06's P/D headlines: the largest inflation over the mixes with decodes (as e06's
+    summary), both read off one evaluation per profile, whose servers' plans the band prices."""
+    from hmoe_jax.config import named_model_config
+    from hmoe_jax.sim import headlines, mixes
+
+    calls = []
+
+    def fake_mix(cfg, prof, backend, k, short_len, long_len, plans_out=None):
+        calls.append((backend, k, long_len))
+        plans_out.append(f"plan {k}")
+        return {"ttft_inflation": 1.0 + 0.1 * k, "tpot_inflation": 1.3 - 0.1 * k, "no_fit": []}
+
+    monkeypatch.setattr(mixes, "project_mix", fake_mix)
+    monkeypatch.setattr(headlines, "_PD_CACHE", {})
+    cfg, prof = named_model_config("deepseek_v3"), load_profile(PAPER)
+    ttft_fn, plans = headlines._fns(BY_NAME["projected_worst_ttft_inflation"], cfg)
+    tpot_fn, _ = headlines._fns(BY_NAME["projected_worst_tpot_inflation"], cfg)
+    assert plans(prof) == ["plan 1", "plan 2"]
+    assert ttft_fn(prof)["projected_worst_ttft_inflation"] == pytest.approx(1.2)
+    assert tpot_fn(prof)["projected_worst_tpot_inflation"] == pytest.approx(1.2)
+    assert calls == [("P/D disaggregation", 1, 16384), ("P/D disaggregation", 2, 16384)]
+    other = prof.with_values({"cpu.dram_efficiency": 0.7}, why="test")
+    ttft_fn(other)
+    assert len(calls) == 4  # a different profile is simulated again

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from experiments.common.simval import errors
-from hmoe_jax.sim.replay import replay_requests, token_timings, window_tpot
+from hmoe_jax.sim.replay import replay_requests, token_timings
 
 METRICS = ("ttft_s", "tpot_s", "e2e_s")
 
@@ -68,7 +68,9 @@ def validate_mixes(
     mean_errs = {m: [] for m in METRICS}
     excluded = []
     for row in (r for r in rows if r.get("part") == "mix"):
-        prof = local_profile(read_gbps=row["probe_gbps"]).with_accelerators(accelerators)
+        prof = local_profile(
+            read_gbps=row["probe_gbps"], peak_tflops=row.get("probe_tflops")
+        ).with_accelerators(accelerators)
         for kind in ("alone", "mix"):
             logs = [lg for rnd in row[f"replay_{kind}"] for lg in (rnd if kind == "alone" else [rnd])]
             meas = {m: [] for m in METRICS}
@@ -172,12 +174,12 @@ def project(quick: bool) -> tuple[list[dict], dict, dict]:
     from hmoe_jax.config import named_model_config
     from hmoe_jax.plan.profile import load_profile
     from hmoe_jax.policies.base import overlap_bound
-    from hmoe_jax.sim.serve import SimRequest, SimServer, decode_arms, decode_step_s
+    from hmoe_jax.sim.mixes import PROJECTION_BACKENDS, project_mix, projection_lengths
+    from hmoe_jax.sim.serve import decode_arms, decode_step_s
 
     cfg = named_model_config("deepseek_v3")
     prof = load_profile("paper_epyc9355_rtx5090")
-    ctx, short_len, long_len = 1024, 1024, 4096 if quick else 16384
-    max_len = long_len + 64
+    ctx, short_len, long_len = projection_lengths(quick)
     rows: list[dict] = []
     t1 = decode_step_s(cfg, prof, 1, ctx)
     rows.append({"part": "projection_batch", "batch": 1, "step_s": t1, "tok_per_s": 1 / t1, "gain": 1.0})
@@ -196,61 +198,9 @@ def project(quick: bool) -> tuple[list[dict], dict, dict]:
                 "bound": overlap_bound(a["attn_layer_s"], a["moe_layer_s"]),
             }
         )
-    dec_tokens = 600  # decodes outlast the prefill (P/D prefills each 1K prompt by slp too)
-    backends = {
-        "fcfs (no technique 3)": dict(policy="fcfs", decode_cap=6),
-        "in-process paper policy": dict(policy="paper", decode_cap=6, dual_batch="off", last_decode_s=0.0),
-        # the prefill worker with `auto` (serve/pd.py takes a schedule): short prompts by the
-        # cpu schedule, long ones by slp, as the paper splits them
-        "P/D disaggregation": dict(policy="fcfs", pd=True, schedule="auto", decode_cap=6),
-    }
-    for name, opts in backends.items():
+    for name in PROJECTION_BACKENDS:
         for k in (0, 2) if quick else (0, 1, 2):  # --quick: the idle and the worst mix
-
-            def serve(reqs, opts=opts, stop=None):
-                srv = SimServer(cfg, prof, max_batch=4, max_len=max_len, **opts)
-                return srv.run(reqs, stop=stop), srv
-
-            def steady(rs: list) -> bool:  # all decode, and 32 steps of all of them are in
-                if not all(len(r.token_s) >= 2 for r in rs):
-                    return False
-                start = max(r.token_s[1] for r in rs)
-                return all(sum(1 for t in r.token_s if t > start) >= 32 for r in rs)
-
-            def prefilled(rs: list) -> bool:  # the window is over: the prompt's first token, and
-                t1 = rs[-1].first_token_s  # a decode token after it for every decode
-                return t1 is not None and all(r.token_s and r.token_s[-1] >= t1 for r in rs[:-1])
-
-            alone_p, srv_a = serve([SimRequest(0.0, long_len, 2)])
-            ttft_a = alone_p[0].first_token_s
-            row = {"part": "projection_mix", "backend": name, "mix": f"1P+{k}D" if k else "1P"}
-            row.update(ttft_alone_s=ttft_a, long_prompt_tokens=long_len, long_schedule=alone_p[0].schedule)
-            if k:
-                dec, _ = serve([SimRequest(0.0, short_len, dec_tokens) for _ in range(k)], stop=steady)
-                start = max(r.token_s[1] for r in dec)
-                tpot_a = window_tpot(dec, start, min(r.token_s[-1] for r in dec))
-                arrive = max(r.token_s[2] for r in dec)  # the prompt comes once all k decode
-                got, srv_m = serve(
-                    [SimRequest(0.0, short_len, dec_tokens) for _ in range(k)]
-                    + [SimRequest(arrive, long_len, 2)],
-                    stop=prefilled,
-                )
-                p = got[-1]
-                ttft_m = p.first_token_s - p.arrival_s
-                tpot_m = window_tpot(got[:k], p.arrival_s, p.first_token_s)
-                row.update(
-                    ttft_mix_s=ttft_m,
-                    ttft_inflation=ttft_m / ttft_a,
-                    tpot_alone_s=tpot_a,
-                    tpot_mix_s=tpot_m,
-                    tpot_inflation=tpot_m / tpot_a,
-                    mixed_throughput_gain=(ttft_a + ttft_m / tpot_m * tpot_a) / ttft_m,
-                    mix_long_schedule=p.schedule,
-                    no_fit=srv_m.no_fit[:1],
-                )
-            else:
-                row.update(ttft_mix_s=ttft_a, ttft_inflation=1.0, no_fit=srv_a.no_fit[:1])
-            rows.append(row)
+            rows.append(project_mix(cfg, prof, name, k, short_len, long_len))
     by_b = {r["batch"]: r for r in rows if r["part"] == "projection_batch"}
     duals = [r for r in rows if r["part"] == "projection_batch" and r["batch"] > 1]
     best = max(duals, key=lambda r: r["dual_gain_vs_sequential"])

@@ -31,19 +31,15 @@ from hmoe_jax.measure.probes import ReadProbe
 def local_profile(
     read_gbps: float | None = None, link_gbps: float | None = None, peak_tflops: float | None = None
 ):
-    """configs/systems/local.toml re-based on the side-by-side probes of the run it predicts:
-    the read rate always; the host-core rates by the compute probe only when the profile holds
-    that probe's own reading at calibration (cpu.compute_probe_tflops). Without it the ratio
-    would be over the calibrated bf16 peak, a different estimator where the kernel's rate stood
-    in for it: the first full e04 run re-based that way over-corrected (-33% mean error)."""
+    """configs/systems/local.toml re-based on the side-by-side probes of the run it predicts
+    (Profile.with_host_state: the read rate always, the host-core rates by the compute probe
+    when the profile holds that probe's reading at calibration)."""
     from hmoe_jax.plan.profile import load_profile
 
     prof = load_profile("local")
-    if "compute_probe_tflops" not in prof.values["cpu"]:
-        peak_tflops = None
     if read_gbps is not None:
         why = f"measured: side-by-side probes in this run, read {read_gbps:.1f} GB/s"
-        if peak_tflops is not None:
+        if peak_tflops is not None and "compute_probe_tflops" in prof.values["cpu"]:
             why += f", compute probe {peak_tflops:.3f} TFLOPS"
         prof = prof.with_host_state(read_gbps, peak_tflops, why)
     if link_gbps is not None:

@@ -9,11 +9,14 @@ the table is built from the newest full-size results/<name>_*.json of each (else
 Projected values come from the simulator (sim/) on the paper machine's profile; measured
 values were measured on this machine by that run.
 
-Bands: after the experiments, the headline projections (decode FP8 / INT4, SLP at 20K and
-its 32K TTFT, DSLP at 32K: sim/headlines.py) are recomputed with their [low, high] band over
-the profile's assumed and carried-over inputs (sim/bands.py) and written as
-results/bands_<stamp>.json; paper_figs/fig_bands.py draws a tornado per headline from it and
-the table's band column reads it. A projected value whose plan does not fit the
+Bands: after the experiments, the headline projections of the experiments run (decode FP8 /
+INT4, SLP at 20K and its 32K TTFT, DSLP at 32K, e06's P/D worst TTFT / TPOT inflation and
+batch-4 gain: sim/headlines.py) are recomputed with their [low, high] band over the
+profile's assumed and carried-over inputs (sim/bands.py) and written as
+results/bands_<stamp>.json, with the other headlines carried over from the newest bands
+record; paper_figs/fig_bands.py draws a tornado per headline from it and the table's band
+column reads it. --bands-only recomputes the selected experiments' bands without running
+them (after a simulator change). A projected value whose plan does not fit the
 accelerator's memory is shown with "(fits: false)", read from the record's projection rows.
 """
 
@@ -206,6 +209,14 @@ def write_bands(results: Path, experiments: list[str], quick: bool) -> Path | No
         return None
     t0 = time.perf_counter()
     rec = headline_bands(names, progress=lambda m: print(f"[reproduce] {m}", flush=True))
+    # the other headlines' bands carry over from the newest bands record, so a run of some
+    # experiments does not drop the rest from the table (band_cell flags a stale central)
+    prev_path = newest("bands", results)
+    if prev_path is not None:
+        prev = json.loads(prev_path.read_text())
+        for k, h in prev.get("headlines", {}).items():
+            if k not in rec["headlines"]:
+                rec["headlines"][k] = {**h, "carried_over_from": h.get("carried_over_from", prev_path.stem)}
     rec.update(
         experiment="bands",
         claim="sensitivity of each headline projection to the profile's assumed and carried-over inputs",
@@ -244,6 +255,12 @@ def add_reproduce_parser(sub: Any) -> None:
         "--table-only", action="store_true", help="rebuild the table and figures from existing records"
     )
     p.add_argument(
+        "--bands-only",
+        action="store_true",
+        help="recompute the selected experiments' headline bands on today's simulator (no experiment runs), "
+        "then the table and figures",
+    )
+    p.add_argument(
         "--out-dir", default=None, help="records directory (default results/); the table reads it too"
     )
     p.set_defaults(func=cmd_reproduce)
@@ -269,7 +286,10 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         names = [n for n in names if n not in RUN_ONLY_WHEN_NAMED]
     status: dict[str, Any] = {}
     t_all = time.perf_counter()
-    for name in names if not args.table_only else []:
+    if args.table_only and args.bands_only:
+        print("hmoe reproduce: --table-only and --bands-only exclude each other", file=sys.stderr)
+        return 2
+    for name in names if not (args.table_only or args.bands_only) else []:
         if not (ROOT / "experiments" / f"{name}.py").exists():
             status[name] = "missing"
             continue

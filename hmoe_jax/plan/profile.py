@@ -62,7 +62,7 @@ SCHEMA: dict[str, dict[str, _R]] = {
         "bf16_tflops_per_node": (float, True, "pos"),  # peak of the instructions our kernels use
         # the side-by-side compute probe's reading (all cores) when the profile was measured
         # (measure/probes.ReadProbe.tflops): a validation run re-bases the host-core rates on
-        # its own probe over this one (with_host_state); absent: over bf16_tflops_per_node
+        # its own probe over this one (with_host_state); absent: on the read probe alone
         "compute_probe_tflops": (float, False, "pos"),
         "expert_bw_efficiency": (float, True, "frac"),  # expert kernel bytes/s / sustained read
         "expert_compute_efficiency": (float, True, "frac"),  # expert kernel flops/s / peak (large M)
@@ -341,19 +341,18 @@ class Profile:
         """with_read_gbps, and with every rate that runs on the host's cores (the CPU's bf16
         peak; a stand-in accelerator's GEMM and convert rates) scaled by peak_tflops, a
         side-by-side compute probe in the run being predicted, over the same probe's reading
-        at calibration (cpu.compute_probe_tflops; a profile without it: over the calibrated
-        bf16 peak, which that probe measured): for a machine whose neighbours take cores.
-        Efficiencies stay as calibrated."""
+        at calibration (cpu.compute_probe_tflops): for a machine whose neighbours take cores.
+        A profile without that reading is re-based on the read probe alone: the ratio over
+        its bf16 peak mixes two estimators (calibrate sets the peak to the kernel's own rate
+        when the probe reads below it) and over-corrected the first full e04 run (-33% mean
+        error). Efficiencies stay as calibrated."""
         prof = self.with_read_gbps(read_gbps, why)
-        if peak_tflops is None:
+        ref = self.values["cpu"].get("compute_probe_tflops")
+        if peak_tflops is None or ref is None:
             return prof
         values = {s: dict(kv) for s, kv in prof.values.items()}
         src = {s: dict(kv) for s, kv in prof.src.items()}
-        ref = values["cpu"].get("compute_probe_tflops")
-        if ref is not None:
-            scale = float(peak_tflops) / float(ref)
-        else:
-            scale = float(peak_tflops) / self.numa_nodes / float(values["cpu"]["bf16_tflops_per_node"])
+        scale = float(peak_tflops) / float(ref)
         keys = [("cpu", "bf16_tflops_per_node")]
         if values["accelerator"]["placement"] == "host":
             keys += [

@@ -192,6 +192,7 @@ class SimServer(CoreRunner):
         self.step_s = float(self.profile.get("overheads", "step_s", 0.0))
         self._sub: dict[int, Profile] = {}
         self._plans: dict[tuple, tuple[Plan, str | None]] = {}
+        self.built_plans: list[Plan] = []  # every plan this server built, in build order
         self.no_fit: list[str] = []
 
     @property
@@ -209,6 +210,7 @@ class SimServer(CoreRunner):
             if batch > 1:
                 opts["batch"] = batch
             plan, msg = build_plan(self.cfg, self._sub[n_dev], schedule, tokens, start_pos=start_pos, **opts)
+            self.built_plans.append(plan)  # as built, before reads and ranks (sim/bands.PlanPrices)
             self._plans[key] = (split_ranks(with_reads(plan, self.cfg, self.expert_format)), msg)
         plan, msg = self._plans[key]
         if msg and msg not in self.no_fit:
