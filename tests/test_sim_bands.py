@@ -179,7 +179,7 @@ def test_bands_of_other_headlines_carry_over(tmp_path, monkeypatch):
     monkeypatch.setattr(
         headlines,
         "headline_bands",
-        lambda names, progress=None: {"headlines": {n: dict(fresh) for n in names}},
+        lambda names, progress=None, quick=False: {"headlines": {n: dict(fresh) for n in names}},
     )
     rec = json.loads(rp.write_bands(results, ["e03_decode"], quick=True).read_text())
     assert rec["headlines"]["decode_fp8_tok_per_s"] == fresh
@@ -212,3 +212,6 @@ def test_serving_headlines_take_the_worst_mix_and_simulate_each_profile_once(mon
     other = prof.with_values({"cpu.dram_efficiency": 0.7}, why="test")
     ttft_fn(other)
     assert len(calls) == 4  # a different profile is simulated again
+    quick_fn, _ = headlines._fns(BY_NAME["projected_worst_ttft_inflation"], cfg, quick=True)
+    quick_fn(prof)  # e06 --quick's mixes: the 4K prompt beside 2 decodes only
+    assert calls[4:] == [("P/D disaggregation", 2, 4096)]

@@ -208,7 +208,8 @@ def write_bands(results: Path, experiments: list[str], quick: bool) -> Path | No
     if not names:
         return None
     t0 = time.perf_counter()
-    rec = headline_bands(names, progress=lambda m: print(f"[reproduce] {m}", flush=True))
+    # --quick: e06's mixes at its --quick sizes, as the --quick e06 record it sits beside
+    rec = headline_bands(names, progress=lambda m: print(f"[reproduce] {m}", flush=True), quick=quick)
     # the other headlines' bands carry over from the newest bands record, so a run of some
     # experiments does not drop the rest from the table (band_cell flags a stale central)
     prev_path = newest("bands", results)

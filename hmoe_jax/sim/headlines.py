@@ -117,10 +117,11 @@ BY_NAME = {h.name: h for h in HEADLINES}
 
 
 def _serving_fns(
-    h: Headline, cfg
+    h: Headline, cfg, quick: bool = False
 ) -> tuple[Callable[[Profile], dict], Callable[[Profile], list[Plan]] | None]:
     """e06's claims on a profile, as its projection computes them (experiments/common/
-    simserve.project), and the plans a band prices to skip inputs that cannot move them.
+    simserve.project; quick: its --quick mixes, a 4K prompt beside 2 decodes, as a --quick
+    e06 record holds), and the plans a band prices to skip inputs that cannot move them.
     Both P/D inflations come from the same mixes, so one evaluation per profile is kept for
     the other headline (with the plans its servers built)."""
     from hmoe_jax.sim.mixes import pd_worst
@@ -135,10 +136,10 @@ def _serving_fns(
         return gain, None
 
     def run(p: Profile) -> tuple[dict, list[Plan]]:
-        key = repr(sorted((s, sorted(kv.items())) for s, kv in p.values.items()))
+        key = repr((quick, sorted((s, sorted(kv.items())) for s, kv in p.values.items())))
         if key not in _PD_CACHE:  # small dicts and the central's plans, one per profile run
             plans: list[Plan] = []
-            _PD_CACHE[key] = (pd_worst(cfg, p, plans_out=plans), plans)
+            _PD_CACHE[key] = (pd_worst(cfg, p, quick=quick, plans_out=plans), plans)
         return _PD_CACHE[key]
 
     return (lambda p: run(p)[0]), (lambda p: run(p)[1])
@@ -147,9 +148,11 @@ def _serving_fns(
 _PD_CACHE: dict[str, tuple[dict, list]] = {}
 
 
-def _fns(h: Headline, cfg) -> tuple[Callable[[Profile], dict], Callable[[Profile], list[Plan]] | None]:
+def _fns(
+    h: Headline, cfg, quick: bool = False
+) -> tuple[Callable[[Profile], dict], Callable[[Profile], list[Plan]] | None]:
     if h.serving:
-        return _serving_fns(h, cfg)
+        return _serving_fns(h, cfg, quick)
     if h.decode:
         return (
             lambda p: simulate_decode_step(cfg, p, h.tokens, batch=1, expert_format=h.expert_format),
@@ -194,12 +197,16 @@ def decode_kernel(profile: Profile, expert_format: str = "fp8", batch: int = 1) 
 
 
 def headline_band(
-    h: Headline, profile: Profile | None = None, progress: Callable[[str], None] | None = None
+    h: Headline,
+    profile: Profile | None = None,
+    progress: Callable[[str], None] | None = None,
+    quick: bool = False,
 ) -> dict[str, Any]:
-    """The band of one headline on `profile` (default: the paper's machine with h.devices GPUs)."""
+    """The band of one headline on `profile` (default: the paper's machine with h.devices GPUs);
+    quick: e06's headlines at its --quick sizes (the others have one size)."""
     cfg = named_model_config("deepseek_v3")
     prof = (profile or load_profile(PAPER_MACHINE)).with_accelerators(h.devices)
-    evaluate, plans = _fns(h, cfg)
+    evaluate, plans = _fns(h, cfg, quick)
     b = band(
         evaluate, prof, [h.metric], plans=plans, cfg=cfg, expert_format=h.expert_format, progress=progress
     )
@@ -217,7 +224,7 @@ def headline_band(
 
 
 def headline_bands(
-    names: list[str] | None = None, progress: Callable[[str], None] | None = None
+    names: list[str] | None = None, progress: Callable[[str], None] | None = None, quick: bool = False
 ) -> dict[str, Any]:
     """{profile, method, headlines: name -> headline_band}: what `hmoe reproduce` records."""
     unknown = sorted(set(names or []) - set(BY_NAME))
@@ -228,5 +235,5 @@ def headline_bands(
         if names is None or h.name in names:
             if progress is not None:
                 progress(f"[bands] {h.name} ...")
-            out[h.name] = headline_band(h, progress=progress)
+            out[h.name] = headline_band(h, progress=progress, quick=quick)
     return {"profile": PAPER_MACHINE, "model": "deepseek_v3", "method": METHOD, "headlines": out}
