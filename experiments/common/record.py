@@ -26,6 +26,9 @@ def parse_args(experiment: str, doc: str | None = None, argv: list[str] | None =
     p.add_argument("--threads", type=int, default=0, help="threads for all variants (0 = all cores)")
     args = p.parse_args(argv)
     args.experiment = experiment
+    from hmoe_jax.runtime.host_heap import retain_freed_host_memory
+
+    retain_freed_host_memory()  # before jax's threads allocate: freed host buffers are reused
     # hashed at the start of the run, before any simulation: the sources this process loaded
     args.sim_fingerprint = sim_fingerprint_of(experiment)
     return args
@@ -84,6 +87,9 @@ def environment() -> dict[str, Any]:
         "hostname": platform.node(),
         "openblas_env": {k: os.environ.get(k) for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")},
     }
+    from hmoe_jax.runtime.host_heap import host_heap_state
+
+    env["host_heap"] = host_heap_state()  # runtime/host_heap.py: freed host memory kept for reuse
     try:
         from hmoe_jax.kernels.ffi import cpu_features
 

@@ -44,6 +44,7 @@ from hmoe_jax.cli.serve import add_serve_parsers
 from hmoe_jax.cli.simulate import add_simulate_parser
 from hmoe_jax.config import ConfigError
 from hmoe_jax.io.errors import CheckpointError, InputError
+from hmoe_jax.runtime.host_heap import retain_freed_host_memory
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,6 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"hmoe: error: {e}", file=sys.stderr)
             return 1
     if argv is None and getattr(args, "needs_jax", True):  # `hmoe bench` is an HTTP client: no jax
+        retain_freed_host_memory()  # before jax's threads allocate (runtime/host_heap.py)
         enable_compilation_cache()
         set_gpu_mem_fraction(args)  # generate / serve: from the plan on the real card, before jax starts
     try:

@@ -56,6 +56,9 @@ class WorkerSpec:
 
 
 def _configure_devices(spec: WorkerSpec) -> None:
+    from hmoe_jax.runtime.host_heap import retain_freed_host_memory
+
+    retain_freed_host_memory()  # a serving process: freed host buffers are reused (before jax starts)
     if spec.gpu_ids is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in spec.gpu_ids)
     else:
