@@ -324,3 +324,40 @@ def test_fp8_flops_run_at_the_fp8_rate_and_the_rest_at_the_plans_dtype(paper):
     for bad in (10**13 + 1, -1, 0.5):
         with pytest.raises(SimError, match=r"op 0 \(shared\) has fp8_flops"):
             acc_s("shared", 10**13, fp8_flops=bad)
+
+
+def test_a_stand_in_piece_adds_its_reads_and_flops_a_gpu_piece_takes_the_longer():
+    """On a stand-in (placement "host") the same cores stream and multiply a piece's weights:
+    its cpu demand is flops / GEMM rate + bytes / (mem_gbps x mem_efficiency), so every extra
+    decode row adds its flops; a convert piece (experts_acc) reads through its convert pass
+    (no second read). On a GPU the roofline: the longer of the two, each on its own resource.
+    Hand arithmetic from local.toml's and the paper profile's numbers."""
+    local = load_profile("local")
+    acc = local.values["accelerator"]
+    rates = Rates(local)
+    gemm = acc["bf16_tflops"] * acc["compute_efficiency"] * 1e12
+    mem = acc["mem_gbps"] * acc["mem_efficiency"] * 1e9
+    nbytes, per_row = 187e6, 2 * 187e6
+
+    def price(r: Rates, kind: str, rows: int, **args):
+        b = PlanBuilder("t", 1)
+        b.add(kind, "acc:0", flops=rows * per_row, bytes=nbytes, tokens=[0, rows], **args)
+        plan = b.build(batch=rows, compute_dtype="bf16")
+        (ph,) = price_op(r, plan, plan.ops[0], (0,), None)
+        return ph
+
+    for rows in (1, 4):
+        ph = price(rates, "attn_route", rows)
+        assert ph.demand_s["cpu0"] == pytest.approx(rows * per_row / gemm + nbytes / mem)
+        assert ph.demand_s["accmem0"] == pytest.approx(nbytes / mem)
+    four, one = price(rates, "attn_route", 4), price(rates, "attn_route", 1)
+    assert four.demand_s["cpu0"] - one.demand_s["cpu0"] == pytest.approx(3 * per_row / gemm)
+    conv = price(rates, "experts_acc", 16)
+    assert conv.demand_s["cpu0"] == pytest.approx(16 * per_row / gemm + nbytes / rates.convert)
+
+    paper = load_profile(PAPER)
+    pr = Rates(paper)
+    g = price(pr, "attn_route", 4)
+    assert "cpu0" not in g.demand_s
+    assert g.demand_s["acc0"] == pytest.approx(4 * per_row / pr.acc["bf16"])
+    assert g.demand_s["accmem0"] == pytest.approx(nbytes / pr.acc_mem)

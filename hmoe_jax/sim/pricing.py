@@ -10,7 +10,8 @@ Physical resources of a profile (plan/profile.py):
                     the fp8 rate) and memory bandwidth
                     (placement "host", a stand-in XLA CPU device: its GEMMs run on cpu<n> at
                     the measured stand-in rate and its reads also use dram<n>, so its ops and
-                    the CPU experts share the same cores and DRAM)
+                    the CPU experts share the same cores and DRAM; the cores that stream its
+                    weights also multiply them, so its reads and its flops add up there)
   h2d<i>, d2h<i>    accelerator i's own host link, each direction (PCIe is full duplex)
   p2p<i>            accelerator i's peer link (interconnect = "p2p" only)
   copy<i>           the staging ring's copy threads of the engine whose first accelerator is i
@@ -230,10 +231,15 @@ def _compute(
     for i in devs:
         _add(d, f"accmem{i}", nbytes / rates.acc_mem)
         if rates.on_host:  # a stand-in: its GEMMs (and converts) use every core, its reads host DRAM
-            # the cores stay busy while its kernels stream weights too (no other thread runs
-            # there meanwhile): it holds them for the longer of compute and its reads
+            # The same cores unpack and multiply the weights they stream: a small-M piece's
+            # read (mem_efficiency, measured at M = 1) and each further row's flops add up
+            # rather than overlap. Traced on the e03 bench twin (2026-12-07): attn_route took
+            # 41 ms at B=1 and 54 ms at B=4, +13 ms for 3 rows whose flops cost 15.5 ms at
+            # bf16_tflops, where the longer of the two (the roofline a GPU gets) stayed 32 ms.
+            # A convert pass already reads the bytes (weight_convert_gbps is its whole rate).
+            read_s = 0.0 if (convert and rates.convert) else nbytes / rates.acc_mem
             for n in range(rates.nodes):
-                _add(d, f"cpu{n}", max(flops_s + conv_s, nbytes / rates.acc_mem))
+                _add(d, f"cpu{n}", flops_s + conv_s + read_s)
             _host(d, rates, nbytes)
         else:
             _add(d, f"acc{i}", flops_s + conv_s)
