@@ -9,6 +9,7 @@ has AVX-512-BF16, else the f32 FMA one (hmoe_fma_peak).
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import numpy as np
@@ -70,8 +71,8 @@ class ReadProbe:
         return g
 
     def tflops(self) -> float | None:
-        """A short register-resident compute peak probe (~40-60 ms; None on a CPU with neither
-        AVX-512-BF16 nor AVX2): the bf16 dot-product loop where the CPU has AVX-512-BF16, else
+        """A short register-resident compute peak probe (the median of 3 loops, ~50 ms; None
+        on a CPU with neither AVX-512-BF16 nor AVX2): the bf16 dot-product loop where the CPU has AVX-512-BF16, else
         the f32 FMA loop (tflops_kind says which). The same estimator for calibrate and the
         simulator validation (experiments/common/simval.py), so their ratio measures the
         neighbours: on a VM whose host lends its cores out, both the kernels and this loop
@@ -87,7 +88,10 @@ class ReadProbe:
             try:
                 if self.tflops_kind is None:
                     fn(iters=iters // 8, repeats=1)  # the first call compiles: not a reading
-                t = fn(iters=iters, repeats=1) / 1e12
+                # the median of 3 loops: one ~17 ms loop now and then lands on a hiccup (e04,
+                # 2026-12-07: readings of 0.10-0.12 among 0.19-0.20), and a row's probe is the
+                # median of only 2-3 calls, so one such reading moved a row's re-based rates 25%
+                t = statistics.median(fn(iters=iters, repeats=1) for _ in range(3)) / 1e12
             except RuntimeError:
                 continue
             self.tflops_kind = kind
