@@ -111,8 +111,9 @@ def combine_blocks(blocks: list[dict[str, float]], ratio_pairs=RATIO_PAIRS) -> d
     out: dict[str, Any] = {k: statistics.median(b[k] for b in blocks) for k in blocks[0]}
     for rate, probe in ratio_pairs:
         if rate in out and probe in out:
-            out[rate] = statistics.median(b[rate] / b[probe] for b in blocks) * out[probe]
-            out[f"{rate}_ratios"] = [b[rate] / b[probe] for b in blocks]
+            ratios = [b[rate] / b[probe] for b in blocks]
+            out[rate] = statistics.median(ratios) * out[probe]
+            out[f"{rate}_ratios"] = ratios
     out["blocks"] = len(blocks)
     return out
 

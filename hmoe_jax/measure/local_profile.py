@@ -14,11 +14,11 @@ def _leaf(v: Any, src: str) -> str:
     return f"{{ value = {val}, src = {json.dumps(src)} }}"
 
 
-def _blocks_note(d: dict[str, Any], key: str) -> str:
+def _blocks_note(vals: list[float] | None) -> str:
     """ ", median of N blocks spread over the calibration (a-b)" for a value calibrate took in
-    blocks (measure/calibrate.combine_blocks); "" for one taken once."""
-    vals = d.get(key) or []
-    if d.get("blocks", 0) < 2 or len(vals) < 2:
+    blocks (the blocks' values, measure/calibrate.combine_blocks); "" for one taken once."""
+    vals = vals or []
+    if len(vals) < 2:
         return ""
     return f", median of {len(vals)} blocks spread over the calibration ({min(vals):.3g}-{max(vals):.3g})"
 
@@ -64,12 +64,12 @@ def write_profile(path: Path, m: dict[str, Any]) -> str:
                 min(1.0, fx["m1_gbps"] / fx["m1_probe_gbps"]),
                 f"{here}: fused FP8 MoE op M=1 {fx['m1_gbps']:.1f} GB/s over its side-by-side read probe "
                 f"{fx['m1_probe_gbps']:.1f} GB/s (M=4: {fx['m4_gbps']:.1f} of {fx['m4_probe_gbps']:.1f})"
-                + _blocks_note(fx, "m1_gbps_ratios"),
+                + _blocks_note(fx.get("m1_gbps_ratios")),
             ),
             "expert_bw_efficiency_batched": (
                 min(1.0, fx["m4_gbps"] / fx["m4_probe_gbps"]),
                 f"{here}: fused FP8 MoE op M=4 (rows overlapping) {fx['m4_gbps']:.1f} GB/s over its side-by-side read probe {fx['m4_probe_gbps']:.1f} GB/s"
-                + _blocks_note(fx, "m4_gbps_ratios"),
+                + _blocks_note(fx.get("m4_gbps_ratios")),
             ),
             "expert_batched_rows_per_expert": (
                 fx["m4_rows_per_expert"],
@@ -148,7 +148,7 @@ def write_profile(path: Path, m: dict[str, Any]) -> str:
             "weight_convert_gbps": (
                 g["convert_gbps"],
                 f"{here}: the experts_acc piece (XLA dequantises the slot's FP8 weights, then ragged dots) on one 7168 x 2048 expert, 16 rows, median"
-                + _blocks_note({"blocks": len(g.get("convert_gbps_blocks", [])), **g}, "convert_gbps_blocks"),
+                + _blocks_note(g.get("convert_gbps_blocks")),
             ),
         },
         "link": {

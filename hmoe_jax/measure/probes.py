@@ -72,8 +72,8 @@ class ReadProbe:
 
     def tflops(self) -> float | None:
         """A short register-resident compute peak probe (the median of 3 loops, ~50 ms; None
-        on a CPU with neither AVX-512-BF16 nor AVX2): the bf16 dot-product loop where the CPU has AVX-512-BF16, else
-        the f32 FMA loop (tflops_kind says which). The same estimator for calibrate and the
+        on a CPU with neither AVX-512-BF16 nor AVX2): the bf16 dot-product loop where the CPU
+        has AVX-512-BF16, else the f32 FMA loop (tflops_kind says which). The same estimator for calibrate and the
         simulator validation (experiments/common/simval.py), so their ratio measures the
         neighbours: on a VM whose host lends its cores out, both the kernels and this loop
         slow down together."""

@@ -26,7 +26,6 @@ HMOE_HOST_HEAP=release turns it off (an ablation: the old behaviour)."""
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import sys
 
