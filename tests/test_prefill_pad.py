@@ -16,7 +16,7 @@ import pytest
 from hmoe_jax.config import named_model_config
 from hmoe_jax.model.generate import greedy_rollout, teacher_forced_logits
 from hmoe_jax.model.sampling import SamplingParams
-from hmoe_jax.plan.buckets import prefill_bucket, prefill_buckets
+from hmoe_jax.plan.buckets import chunk_pad_tokens, prefill_bucket, prefill_buckets
 from hmoe_jax.runtime.synthetic import random_params
 from tests.helpers import reference_engine
 
@@ -51,6 +51,22 @@ def test_prefill_bucket_rule():
         assert t <= b < max(2 * t, 128) and (t <= 512 or b - t < 512)
     with pytest.raises(ValueError, match="tokens must be >= 1"):
         prefill_bucket(0)
+
+
+def test_chunk_pad_rule_by_hand():
+    """What a chunk runs as (the engine and the simulator's serving runner both use it): the
+    cpu schedule pads to the bucket when the row has room, nothing else pads."""
+    assert chunk_pad_tokens("cpu", 16, 0, 512) == 64
+    assert chunk_pad_tokens("cpu", 16, 448, 512) == 64  # the padded tail ends at slot 512
+    assert chunk_pad_tokens("cpu", 16, 449, 512) == 16  # ... one slot past the row: exact
+    assert chunk_pad_tokens("cpu", 100, 0, 128) == 128
+    assert chunk_pad_tokens("cpu", 100, 1, 128) == 100
+    for schedule in ("auto", "slp", "dslp", "ep"):
+        assert chunk_pad_tokens(schedule, 16, 0, 512) == 16
+    for t in range(1, 700):
+        for start, max_len in ((0, 4096), (0, t), (3, 700)):
+            fits = start + prefill_bucket(t) <= max_len
+            assert chunk_pad_tokens("cpu", t, start, max_len) == (prefill_bucket(t) if fits else t)
 
 
 def _chunked(eng, ids, chunk, params):

@@ -48,6 +48,34 @@ def test_a_request_alone_takes_its_plans_times():
     assert r.finish_reason == "length" and len(r.token_s) == 5
 
 
+def test_a_chunk_is_priced_padded_as_the_engine_runs_it():
+    """The paper policy chunks a short prompt on the cpu schedule, and Engine.prefill_seq pads
+    a cpu chunk to its bucket (16 real tokens run as 64): a lone 16-token request's TTFT is
+    the 64-token one's, and both are a 64-token cpu plan alone plus the step's host work. On
+    the frozen run's records the unpadded pricing put the paper policy's two-decode rows'
+    TPOT 32% under the engine's. Where the padded tail does not fit the pool row, the exact
+    length runs (buckets.chunk_pad_tokens; its table in test_prefill_pad)."""
+    prof = local2()
+
+    def ttft(tokens: int, max_len: int = 512) -> tuple[float, str]:
+        srv = SimServer(
+            CFG, prof, "paper", max_len=max_len, chunk_tokens=64, dual_batch="off", last_decode_s=0.0
+        )
+        (r,) = srv.run([SimRequest(0.0, tokens, 2)])
+        return r.first_token_s - r.arrival_s, r.schedule
+
+    t16, how = ttft(16)
+    assert how == "cpu (chunked)"
+    assert t16 == pytest.approx(ttft(64)[0], rel=1e-9)
+    pre64 = simulate_request(CFG, prof, "cpu", 64, max_len=512)["ttft_s"]
+    assert t16 == pytest.approx(pre64, rel=1e-6)
+    assert t16 > 1.5 * simulate_request(CFG, prof, "cpu", 16, max_len=512)["ttft_s"]
+    # the pool row is cache_len(max_len) slots: 40 tokens in a 64-slot row pad to 64 (fits)
+    assert ttft(40, max_len=64)[0] == pytest.approx(
+        simulate_request(CFG, prof, "cpu", 64, max_len=64)["ttft_s"], rel=1e-6
+    )
+
+
 def test_fcfs_stalls_decoding_and_the_paper_lane_does_not():
     prof = local2()
     reqs = [SimRequest(0.0, 16, 60), SimRequest(1.0, 128, 2)]

@@ -41,7 +41,7 @@ from hmoe_jax.model.sampling import (
     token_logprobs,
 )
 from hmoe_jax.model.structured import Grammar, GrammarCompiler
-from hmoe_jax.plan.buckets import cache_len, prefill_bucket
+from hmoe_jax.plan.buckets import cache_len, chunk_pad_tokens
 from hmoe_jax.plan.format import Plan
 from hmoe_jax.plan.system import SystemSpec
 from hmoe_jax.plan.trace import TraceRecorder
@@ -427,10 +427,7 @@ class Engine:
         """The token count a prefill_seq chunk of `tokens` tokens at start_pos runs as: the
         cpu schedule's chunks are padded to prefill_bucket(tokens) when the pool row has
         room for the padded tail; otherwise (another schedule, no room) the exact length."""
-        if schedule != "cpu":
-            return tokens
-        tp = prefill_bucket(tokens)
-        return tp if start_pos + tp <= self.pool.max_len else tokens
+        return chunk_pad_tokens(schedule, tokens, start_pos, self.pool.max_len)
 
     @staticmethod
     def record_prompt_logprobs(seq: SeqState, logits: jax.Array, t0: int, t1: int) -> None:

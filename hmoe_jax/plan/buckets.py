@@ -33,6 +33,19 @@ def prefill_bucket(tokens: int) -> int:
     return -(-t // PREFILL_STEP) * PREFILL_STEP
 
 
+def chunk_pad_tokens(schedule: str, tokens: int, start_pos: int, max_len: int) -> int:
+    """The token count a prefill chunk of `tokens` real tokens at start_pos runs as
+    (Engine.prefill_seq, and the simulator's serving runner prices the same): the cpu
+    schedule's chunks pad to prefill_bucket(tokens) when the pool row (max_len slots) has room
+    for the padded tail, so a few programs serve every chunk length; any other schedule, or no
+    room, runs the exact length. The padded rows cost like real ones (attention, experts,
+    hops): on a compute-bound stand-in a 16-token chunk costs about what 64 tokens do."""
+    if schedule != "cpu":
+        return int(tokens)
+    tp = prefill_bucket(tokens)
+    return tp if start_pos + tp <= max_len else int(tokens)
+
+
 def prefill_buckets(max_tokens: int) -> list[int]:
     """Every prefill_bucket of a chunk of 1..max_tokens tokens."""
     return sorted({prefill_bucket(t) for t in range(1, int(max_tokens) + 1)})

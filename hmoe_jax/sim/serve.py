@@ -44,6 +44,7 @@ from typing import Any
 
 from hmoe_jax.config import ModelConfig
 from hmoe_jax.plan import costs
+from hmoe_jax.plan.buckets import cache_len, chunk_pad_tokens
 from hmoe_jax.plan.format import Plan
 from hmoe_jax.plan.profile import Profile
 from hmoe_jax.plan.trace import attention_moe_split
@@ -217,6 +218,17 @@ class SimServer(CoreRunner):
             self.no_fit.append(msg)  # timed as if it fitted; the engine would refuse it
         return plan
 
+    def _prefill_plan(self, schedule: str, n_dev: int, tokens: int, start_pos: int = 0) -> Plan:
+        """The plan of a foreground prefill or chunk of `tokens` real tokens, padded as
+        Engine.prefill_seq pads it (plan/buckets.chunk_pad_tokens: a cpu chunk runs as its
+        bucket when the pool row has room), and back to the exact length where the padded
+        plan splits the span (its last piece could lack the last real token)."""
+        tp = chunk_pad_tokens(schedule, tokens, start_pos, cache_len(self.max_len))
+        plan = self._plan(schedule, n_dev, tp, start_pos)
+        if tp > tokens and int(plan.meta.get("chunk_tokens", tp)) < tp:
+            plan = self._plan(schedule, n_dev, tokens, start_pos)
+        return plan
+
     def _decode_plan(self, rows: list[SimResult]) -> Plan:
         pos = max(r.prompt_tokens + len(r.token_s) - 1 for r in rows)
         # a decode step's cost depends on its position only through the attended cache
@@ -334,12 +346,15 @@ class SimServer(CoreRunner):
                     core.prefilling(a.request, background)
                     r.schedule = a.schedule
                     if background:  # a prefill lane: an engine view on those accelerators
-                        plan = self._plan(a.schedule, len(devices), r.prompt_tokens)
+                        # P/D's worker runs Engine.prefill_seq (padded as the foreground
+                        # one); a lane's EngineView.prefill runs the exact length
+                        make = self._prefill_plan if self.pd else self._plan
+                        plan = make(a.schedule, len(devices), r.prompt_tokens)
                         lanes[a.request] = sim.submit(plan, devices=devices, label=f"prefill{r.id}")
                         r.schedule = plan.schedule
                         continue
                     # the engine's own prefill: every accelerator it has (slp/cpu use one)
-                    plan = self._plan(a.schedule, self.devices, r.prompt_tokens)
+                    plan = self._prefill_plan(a.schedule, self.devices, r.prompt_tokens)
                     r.schedule = plan.schedule
                     sim.run_until(rid=sim.submit(plan, label=f"prefill{r.id}"))
                     sim.run_until(t_s=sim.now_s + self.step_s)
@@ -348,7 +363,7 @@ class SimServer(CoreRunner):
                     if r.started_s is None:
                         admit(r)
                     r.schedule = "cpu (chunked)"
-                    plan = self._plan("cpu", 1, a.end - r.prefilled, r.prefilled)
+                    plan = self._prefill_plan("cpu", 1, a.end - r.prefilled, r.prefilled)
                     sim.run_until(rid=sim.submit(plan, label=f"chunk{r.id}"))
                     if core.chunked(a.request, a.end):
                         sim.run_until(t_s=sim.now_s + self.step_s)
