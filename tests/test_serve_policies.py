@@ -147,6 +147,7 @@ def view(**kw):
 
 def test_paper_policy_decisions():
     p = get_policy("paper", long_prompt_tokens=100, chunk_tokens=16, decode_cap=2, idle_window_s=60)
+    one = get_policy("paper", long_prompt_tokens=100)
     long, short = Pending(1, 500, 0, 0.0), Pending(2, 40, 0, 0.0)
     assert p.decide(view(waiting=(long,))) == (Prefill(1, "dslp", (0, 1)),)  # idle node
     recent = view(waiting=(long,), last_decode_s=990.0)
@@ -157,7 +158,12 @@ def test_paper_policy_decisions():
     assert p.decide(view(waiting=(short,)))[0] == Chunk(2, 16)
     assert p.decide(view(waiting=(Pending(2, 40, 32, 0.0),)))[0] == Chunk(2, 40)
     assert p.decide(view(waiting=(short,), decoding=(3, 4))) == (Decode((3, 4), measure=True),)  # cap
-    one = get_policy("paper", long_prompt_tokens=100)
+    # a chunk runs after the decode step (every row waits at most one chunk and one step)
+    assert p.decide(view(waiting=(short,), decoding=(3,))) == (Decode((3,)), Chunk(2, 16))
+    assert one.decide(view(devices=1, waiting=(long,), decoding=(3,))) == (
+        Decode((3,)),
+        Prefill(1, "slp", (0,)),
+    )
     assert one.decide(view(devices=1, waiting=(long,)))[0] == Prefill(1, "slp", (0,))
     # dual "auto": measure plain, then dual, for this batch size ...
     plain = {(2, 1): 0.050}

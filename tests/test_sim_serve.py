@@ -76,6 +76,23 @@ def test_a_chunk_is_priced_padded_as_the_engine_runs_it():
     )
 
 
+def test_a_row_whose_prompt_just_finished_waits_one_step_not_a_chunk():
+    """The paper policy runs the decode step before the chunk (policies/paper.py), so the row
+    whose prompt the last chunk finished decodes first thing in the next iteration. Three
+    prompts at once, chunked in turn: the first row's longest gap is one chunk plus a step
+    (it decodes beside each later chunk); the second row's first gap is one step. With the
+    chunk first, that gap was a 1-row step + the third prompt's chunk + a 2-row step, longer
+    than any gap of the first row (e09's join stall). The scheduler runs the same actions
+    (test_serve_core), so this holds for the engine's order as well."""
+    srv = SimServer(CFG, local2(), "paper", max_len=512, chunk_tokens=64, dual_batch="off", last_decode_s=0.0)
+    res = srv.run([SimRequest(0.0, 16, 12), SimRequest(0.0, 16, 12), SimRequest(0.0, 64, 12)])
+    gaps = [[b - a for a, b in zip(r.token_s, r.token_s[1:])] for r in res]
+    assert [r.schedule for r in res] == ["cpu (chunked)"] * 3
+    first_row_max = max(gaps[0])
+    assert max(max(g) for g in gaps) == pytest.approx(first_row_max, rel=1e-9)
+    assert gaps[1][0] < 0.5 * first_row_max  # one decode step, no chunk in it
+
+
 def test_fcfs_stalls_decoding_and_the_paper_lane_does_not():
     prof = local2()
     reqs = [SimRequest(0.0, 16, 60), SimRequest(1.0, 128, 2)]
