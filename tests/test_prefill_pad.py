@@ -16,7 +16,7 @@ import pytest
 from hmoe_jax.config import named_model_config
 from hmoe_jax.model.generate import greedy_rollout, teacher_forced_logits
 from hmoe_jax.model.sampling import SamplingParams
-from hmoe_jax.plan.buckets import chunk_pad_tokens, prefill_bucket, prefill_buckets
+from hmoe_jax.plan.buckets import chunk_pad_tokens, padded_chunk_plan, prefill_bucket, prefill_buckets
 from hmoe_jax.runtime.synthetic import random_params
 from tests.helpers import reference_engine
 
@@ -67,6 +67,37 @@ def test_chunk_pad_rule_by_hand():
         for start, max_len in ((0, 4096), (0, t), (3, 700)):
             fits = start + prefill_bucket(t) <= max_len
             assert chunk_pad_tokens("cpu", t, start, max_len) == (prefill_bucket(t) if fits else t)
+
+
+def test_padded_chunk_plan_falls_back_where_the_plan_splits_the_padded_span():
+    """The engine and the simulator build a chunk's plan through padded_chunk_plan: the padded
+    length, unless that plan's own chunks are shorter than it (its last piece could lack the
+    last real token), then the exact length."""
+
+    class P:  # a plan's meta is all the rule reads
+        def __init__(self, n, chunk):
+            self.n, self.meta = n, ({} if chunk is None else {"chunk_tokens": chunk})
+
+    built = []
+
+    def build(chunk):
+        def b(n):
+            built.append(n)
+            return P(n, chunk)
+
+        return b
+
+    plan, n = padded_chunk_plan(build(None), "cpu", 16, 0, 512)
+    assert (plan.n, n, built) == (64, 64, [64])
+    built.clear()
+    plan, n = padded_chunk_plan(build(64), "cpu", 16, 0, 512)  # one chunk of 64: not split
+    assert (plan.n, n, built) == (64, 64, [64])
+    built.clear()
+    plan, n = padded_chunk_plan(build(32), "cpu", 16, 0, 512)  # split into 32s: exact length
+    assert (plan.n, n, built) == (16, 16, [64, 16])
+    built.clear()
+    plan, n = padded_chunk_plan(build(8), "slp", 16, 0, 512)  # not padded: nothing to undo
+    assert (plan.n, n, built) == (16, 16, [16])
 
 
 def _chunked(eng, ids, chunk, params):

@@ -41,7 +41,7 @@ from hmoe_jax.model.sampling import (
     token_logprobs,
 )
 from hmoe_jax.model.structured import Grammar, GrammarCompiler
-from hmoe_jax.plan.buckets import cache_len, chunk_pad_tokens
+from hmoe_jax.plan.buckets import cache_len, padded_chunk_plan
 from hmoe_jax.plan.format import Plan
 from hmoe_jax.plan.system import SystemSpec
 from hmoe_jax.plan.trace import TraceRecorder
@@ -383,7 +383,7 @@ class Engine:
         params.prompt_logprobs set, every chunk runs with all_logits and its prompt logprobs
         are computed on the device as it ends (only the top-k reach the host).
 
-        A cpu chunk is padded to prefill_pad_tokens (plan/buckets.py prefill_bucket), so a
+        A cpu chunk is padded to its bucket (plan/buckets.py padded_chunk_plan), so a
         few programs serve every chunk length: the padding follows the real tokens (causal
         attention: no real position sees it), its KV slots lie past the prompt (decode
         overwrites each before it attends to it), and only the real positions' logits are
@@ -395,12 +395,13 @@ class Engine:
         start = time.perf_counter()
         want_all = all_logits or seq.params.prompt_logprobs is not None
         real = t1 - t0
-        tp = self.prefill_pad_tokens(schedule, real, t0)
-        plan = self.plan(schedule, tp, t0, all_logits=want_all, **options)
-        if tp > real and int(plan.meta.get("chunk_tokens", tp)) < tp:
-            # the plan splits the padded span: its last chunk may lack the last real token
-            tp = real
-            plan = self.plan(schedule, tp, t0, all_logits=want_all, **options)
+        plan, tp = padded_chunk_plan(
+            lambda n: self.plan(schedule, n, t0, all_logits=want_all, **options),
+            schedule,
+            real,
+            t0,
+            self.pool.max_len,
+        )
         toks = seq.prompt[t0:t1]
         if tp > real:
             toks = np.concatenate([toks, np.zeros(tp - real, np.int32)])
@@ -422,12 +423,6 @@ class Engine:
         logits = logits if all_logits else logits[-1:]
         self.first_token(seq, logits, seq.prefill_s - secs + time.perf_counter() - start)
         return True
-
-    def prefill_pad_tokens(self, schedule: str, tokens: int, start_pos: int) -> int:
-        """The token count a prefill_seq chunk of `tokens` tokens at start_pos runs as: the
-        cpu schedule's chunks are padded to prefill_bucket(tokens) when the pool row has
-        room for the padded tail; otherwise (another schedule, no room) the exact length."""
-        return chunk_pad_tokens(schedule, tokens, start_pos, self.pool.max_len)
 
     @staticmethod
     def record_prompt_logprobs(seq: SeqState, logits: jax.Array, t0: int, t1: int) -> None:

@@ -4,6 +4,9 @@ the engine and the CLI warm-up all size caches with it, so they compile the same
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 CACHE_BUCKET = 64  # KV-cache length granularity, tokens
 
 
@@ -44,6 +47,20 @@ def chunk_pad_tokens(schedule: str, tokens: int, start_pos: int, max_len: int) -
         return int(tokens)
     tp = prefill_bucket(tokens)
     return tp if start_pos + tp <= max_len else int(tokens)
+
+
+def padded_chunk_plan(
+    build: Callable[[int], Any], schedule: str, tokens: int, start_pos: int, max_len: int
+) -> tuple[Any, int]:
+    """(plan, tokens it runs) of a prefill chunk of `tokens` real tokens, as Engine.prefill_seq
+    runs it and the simulator's serving runner prices it: build(chunk_pad_tokens(...)), and
+    build(tokens) where that padded plan splits the span (its last piece could lack the last
+    real token). build(n): the plan of an n-token chunk at start_pos."""
+    tp = chunk_pad_tokens(schedule, tokens, start_pos, max_len)
+    plan = build(tp)
+    if tp > tokens and int(plan.meta.get("chunk_tokens", tp)) < tp:
+        return build(tokens), int(tokens)
+    return plan, tp
 
 
 def prefill_buckets(max_tokens: int) -> list[int]:

@@ -44,7 +44,7 @@ from typing import Any
 
 from hmoe_jax.config import ModelConfig
 from hmoe_jax.plan import costs
-from hmoe_jax.plan.buckets import cache_len, chunk_pad_tokens
+from hmoe_jax.plan.buckets import cache_len, padded_chunk_plan
 from hmoe_jax.plan.format import Plan
 from hmoe_jax.plan.profile import Profile
 from hmoe_jax.plan.trace import attention_moe_split
@@ -220,14 +220,12 @@ class SimServer(CoreRunner):
 
     def _prefill_plan(self, schedule: str, n_dev: int, tokens: int, start_pos: int = 0) -> Plan:
         """The plan of a foreground prefill or chunk of `tokens` real tokens, padded as
-        Engine.prefill_seq pads it (plan/buckets.chunk_pad_tokens: a cpu chunk runs as its
-        bucket when the pool row has room), and back to the exact length where the padded
-        plan splits the span (its last piece could lack the last real token)."""
-        tp = chunk_pad_tokens(schedule, tokens, start_pos, cache_len(self.max_len))
-        plan = self._plan(schedule, n_dev, tp, start_pos)
-        if tp > tokens and int(plan.meta.get("chunk_tokens", tp)) < tp:
-            plan = self._plan(schedule, n_dev, tokens, start_pos)
-        return plan
+        Engine.prefill_seq pads it (plan/buckets.padded_chunk_plan: the same rule)."""
+
+        def build(n: int) -> Plan:
+            return self._plan(schedule, n_dev, n, start_pos)
+
+        return padded_chunk_plan(build, schedule, tokens, start_pos, cache_len(self.max_len))[0]
 
     def _decode_plan(self, rows: list[SimResult]) -> Plan:
         pos = max(r.prompt_tokens + len(r.token_s) - 1 for r in rows)
