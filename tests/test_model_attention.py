@@ -24,6 +24,7 @@ from hmoe_jax.model import attention as A
 from hmoe_jax.model.layers import rms_norm
 from hmoe_jax.model.mla import mla_attend, mla_qkv
 from hmoe_jax.model.precision import F32, policy
+from hmoe_jax.runtime import pieces
 from hmoe_jax.runtime.synthetic import random_params
 
 CFG = dataclasses.replace(named_model_config("deepseek_v3_tiny"), quant=None)
@@ -72,8 +73,13 @@ def test_blocked_prefill_matches_dense_reference(layer, form, prec, rel):
     assert (np.asarray(lat[0], np.float32) == 7.0).all() and (np.asarray(lat[2], np.float32) == 7.0).all()
 
 
+@pytest.mark.parametrize("path", ["fused", "engine"])
 @pytest.mark.parametrize("prec,rel", [(F32, 2e-5), (BF16, 3e-2)], ids=["f32", "bf16"])
-def test_batched_decode_rows_at_different_positions(layer, prec, rel):
+def test_batched_decode_rows_at_different_positions(layer, prec, rel, path):
+    """fused: decode_attention (write, then attend); engine: decode_attention_unwritten (the
+    pool only read, the new keys patched in) and the pool written by pieces.write_kv, as
+    runtime/ops runs a decode step: same outputs, and the pool holds the new keys at
+    (row, position) with every other slot as the prefill left it."""
     s_len, lens = 64, [5, 17, 40]  # three sequences: prompts of these lengths, one new token each
     rows = np.array([2, 0, 3], np.int32)
     xs = [jax.random.normal(jax.random.key(i + 1), (n + 1, CFG.hidden_size)) for i, n in enumerate(lens)]
@@ -84,11 +90,27 @@ def test_batched_decode_rows_at_different_positions(layer, prec, rel):
         x = rms_norm(x_all[:n], layer.attn_norm, CFG.rms_norm_eps)
         _, lat, rope = pf(layer.attn, CFG, x, lat, rope, row, 0, prec=prec, q_block=16, k_block=16)
     x_new = jnp.stack([rms_norm(x_all[n], layer.attn_norm, CFG.rms_norm_eps) for n, x_all in zip(lens, xs)])
-    dec = jax.jit(A.decode_attention, static_argnames=("cfg", "kv_len", "prec"))
-    out, lat, rope = dec(layer.attn, CFG, x_new, lat, rope, rows, np.array(lens, np.int32), 48, prec=prec)
+    pos = np.array(lens, np.int32)
+    before = np.asarray(lat, np.float32).copy(), np.asarray(rope, np.float32).copy()
+    if path == "fused":
+        dec = jax.jit(A.decode_attention, static_argnames=("cfg", "kv_len", "prec"))
+        out, lat, rope = dec(layer.attn, CFG, x_new, lat, rope, rows, pos, 48, prec=prec)
+    else:
+        dec = jax.jit(A.decode_attention_unwritten, static_argnames=("cfg", "kv_len", "prec"))
+        out, new_lat, new_rope = dec(layer.attn, CFG, x_new, lat, rope, rows, pos, 48, prec=prec)
+        lat, rope = pieces.write_kv(
+            lat, rope, rows, pos, new_lat.astype(jnp.float32), new_rope.astype(jnp.float32)
+        )
+    after = np.asarray(lat, np.float32), np.asarray(rope, np.float32)
     for b, (n, x_all) in enumerate(zip(lens, xs)):
-        ref, _, _ = _ref(layer, x_all, n + 1, s_len)
+        ref, ref_lat, ref_rope = _ref(layer, x_all, n + 1, s_len)
         _close(out[b], ref[n], rel, f"decode row {rows[b]} at position {n}")
+        _close(after[0][rows[b], n], np.asarray(ref_lat[n]), rel, f"latent written at row {rows[b]}, {n}")
+        _close(after[1][rows[b], n], np.asarray(ref_rope[n]), rel, f"rope key written at row {rows[b]}, {n}")
+    for got, was in zip(after, before):
+        untouched = np.ones(got.shape[:2], bool)
+        untouched[rows, pos] = False
+        assert (got[untouched] == was[untouched]).all(), "a slot other than the new tokens' changed"
 
 
 def test_forms_and_key_blocks():

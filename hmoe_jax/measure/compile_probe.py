@@ -158,7 +158,8 @@ def probe_attention(
     k_block: int = 512,
 ) -> PieceProbe:
     """pieces.attention of one layer: `tokens` new tokens of one sequence (a prefill chunk)
-    at start_pos, or a decode step of `rows` rows (tokens == 1), over a pool layer of
+    at start_pos, or a decode step of `rows` rows (tokens == 1: pieces.attention_decode,
+    which reads the pool and leaves its write to pieces.write_kv), over a pool layer of
     `rows` x max_len slots."""
     s = cache_len(max_len or start_pos + tokens)
     b = 1 if tokens > 1 else rows
@@ -171,7 +172,7 @@ def probe_attention(
         kw["kv_len"] = s
     return _probe(
         "attention",
-        pieces.attention,
+        pieces.attention_decode if tokens == 1 else pieces.attention,
         SDS((d,), F32),
         abstract_mla(cfg, prec),
         h=SDS((b, tokens, d), prec.act_dtype),

@@ -34,7 +34,8 @@ def attn(run: Run, op: Op) -> list:
     lp = run.weights.acc.layers[i]
     pos_args, kw = run.attn_args(t0, t1)
     c = run.chunk(op)
-    h, lat, rope = pieces.attention(
+    decode = t1 - t0 == 1
+    h, lat, rope = (pieces.attention_decode if decode else pieces.attention)(
         lp.attn_norm,
         lp.attn,
         run.cfg,
@@ -44,9 +45,19 @@ def attn(run: Run, op: Op) -> list:
         *pos_args,
         **kw,
     )
-    run.cache.latent[i], run.cache.rope[i] = lat, rope
+    _keep_kv(run, i, decode, pos_args, lat, rope)
     c.h = h
     return [h]
+
+
+def _keep_kv(run: Run, i: int, decode: bool, pos_args: tuple, lat, rope) -> None:
+    """Layer i's pool arrays after an attention piece: the piece's own (a prefill chunk
+    wrote them in place), or, after a decode step, the pool with the step's new keys
+    (lat, rope) written by a second, in-place dispatch (pieces.write_kv: the piece only
+    read the pool; model.attention.decode_attention_unwritten says why)."""
+    if decode:
+        lat, rope = pieces.write_kv(run.cache.latent[i], run.cache.rope[i], *pos_args, lat, rope)
+    run.cache.latent[i], run.cache.rope[i] = lat, rope
 
 
 def dense_ffn(run: Run, op: Op) -> list:
@@ -74,7 +85,8 @@ def attn_route(run: Run, op: Op) -> list:
     pos_args, kw = run.attn_args(t0, t1)
     kw["with_shared"] = bool(op.args.get("with_shared"))
     c = run.chunk(op)
-    h, lat, rope, x, packed = pieces.attn_route(
+    decode = t1 - t0 == 1
+    h, lat, rope, x, packed = (pieces.attn_route_decode if decode else pieces.attn_route)(
         run.weights.acc.layers[i],
         run.cfg,
         c.h,
@@ -83,7 +95,7 @@ def attn_route(run: Run, op: Op) -> list:
         *pos_args,
         **kw,
     )
-    run.cache.latent[i], run.cache.rope[i] = lat, rope
+    _keep_kv(run, i, decode, pos_args, lat, rope)
     c.h = h
     m = c.layer(i)
     if op.args.get("with_shared"):

@@ -37,12 +37,20 @@ def _attention_block(
     attn_norm, attn: MLAParams, cfg, h, lat, rope, rows, pos, prec, kv_len, form, q_block, k_block
 ):
     """h [B, T, D] -> (h + MLA(input_norm(h)), lat, rope). T == 1: a decode step of B rows at
-    positions pos [B] (attention over each row's first kv_len slots); T > 1: a prefill chunk
-    of one sequence (B == 1) at positions pos[0].. (blocked attention)."""
+    positions pos [B] (attention over each row's first kv_len slots), the caches only read
+    and (lat, rope) the new keys [B, R], [B, dr] for write_kv (decode_attention_unwritten
+    says why); T > 1: a prefill chunk of one sequence (B == 1) at positions pos[0]..
+    (blocked attention), the caches written."""
     b, t, _ = h.shape
     x = rms_norm(h, attn_norm, cfg.rms_norm_eps).astype(prec.act_dtype)
     if t == 1:
-        out, lat, rope = A.decode_attention(attn, cfg, x[:, 0], lat, rope, rows, pos, kv_len, prec=prec)
+        out, lat, rope = A.decode_attention_unwritten(
+            attn, cfg, x[:, 0], lat, rope, rows, pos, kv_len, prec=prec
+        )
+        # the new keys leave widened to f32 (exact: they are already rounded to the cache
+        # dtype): write_kv's narrowing convert is what lets XLA:CPU emit its update in place
+        # (with a bf16 operand it rewrites the whole pool: 0.35 vs 0.08 ms at 4 x 4K x 512)
+        lat, rope = lat.astype(jnp.float32), rope.astype(jnp.float32)
         out = out[:, None]
     else:
         if b != 1:
@@ -64,8 +72,7 @@ def _attention_block(
     return _residual(h, out, prec), lat, rope
 
 
-@functools.partial(jax.jit, static_argnames=ATTN_STATIC, donate_argnames=("lat", "rope"))
-def attention(
+def _attention(
     attn_norm: jax.Array,
     attn: MLAParams,
     cfg: ModelConfig,
@@ -81,12 +88,26 @@ def attention(
     q_block: int = 1024,
     k_block: int = 512,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """h [B, T, D] -> (h [B, T, D], lat [N, S, R], rope [N, S, dr]); the pool layer arrays are
-    donated (updated in place). Takes only the attention weights so dense and MoE layers
-    share one compilation."""
+    """h [B, T, D] -> (h [B, T, D], lat [N, S, R], rope [N, S, dr]): the pool layer arrays
+    are donated (updated in place); under attention_decode (T == 1) they are only read and
+    (lat, rope) are the new keys for write_kv. Takes only the attention weights so dense
+    and MoE layers share one compilation."""
     return _attention_block(
         attn_norm, attn, cfg, h, lat, rope, rows, pos, prec, kv_len, form, q_block, k_block
     )
+
+
+attention = jax.jit(_attention, static_argnames=ATTN_STATIC, donate_argnames=("lat", "rope"))
+attention_decode = jax.jit(_attention, static_argnames=ATTN_STATIC)
+
+
+@functools.partial(jax.jit, donate_argnames=("lat", "rope"))
+def write_kv(
+    lat: jax.Array, rope: jax.Array, rows: jax.Array, pos: jax.Array, new_lat: jax.Array, new_rope: jax.Array
+):
+    """A decode step's new keys (attention_decode's / attn_route_decode's) written into the
+    layer's donated pool arrays in place: model.attention.write_kv_rows."""
+    return A.write_kv_rows(lat, rope, rows, pos, new_lat, new_rope)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "prec"))
@@ -174,8 +195,7 @@ def unpack_hop(packed: jax.Array, hidden: int, k: int) -> tuple[jax.Array, jax.A
     return x, ids, w
 
 
-@functools.partial(jax.jit, static_argnames=(*ATTN_STATIC, "with_shared"), donate_argnames=("lat", "rope"))
-def attn_route(
+def _attn_route(
     layer: LayerParams,
     cfg: ModelConfig,
     h,
@@ -196,13 +216,21 @@ def attn_route(
     with_shared, the shared expert(s)' output [B*T, D] (decode: everything the accelerator
     does before the hop in one dispatch), packed [B*T, W] words): the routed experts' inputs
     x | ids | weights packed bit for bit in one array (pack_hop), so the hop to the host is
-    one transfer, not three, of x in the policy's activation dtype."""
+    one transfer, not three, of x in the policy's activation dtype. The pool arrays are
+    donated; under attn_route_decode (T == 1) they are only read and (lat, rope) are the new
+    keys for write_kv, as attention's."""
     h, lat, rope = _attention_block(
         layer.attn_norm, layer.attn, cfg, h, lat, rope, rows, pos, prec, kv_len, form, q_block, k_block
     )
     x, ids, w = _route(layer, cfg, h, prec)
     side = swiglu(layer.ffn.shared, x, prec) if with_shared else x
     return h, lat, rope, side, pack_hop(x, ids, w)
+
+
+attn_route = jax.jit(
+    _attn_route, static_argnames=(*ATTN_STATIC, "with_shared"), donate_argnames=("lat", "rope")
+)
+attn_route_decode = jax.jit(_attn_route, static_argnames=(*ATTN_STATIC, "with_shared"))
 
 
 @functools.partial(jax.jit, static_argnames=("prec",))
