@@ -326,38 +326,51 @@ def test_fp8_flops_run_at_the_fp8_rate_and_the_rest_at_the_plans_dtype(paper):
             acc_s("shared", 10**13, fp8_flops=bad)
 
 
-def test_a_stand_in_piece_adds_its_reads_and_flops_a_gpu_piece_takes_the_longer():
+def test_a_stand_in_piece_hides_its_read_slack_of_flops_a_gpu_piece_takes_the_longer():
     """On a stand-in (placement "host") the same cores stream and multiply a piece's weights:
-    its cpu demand is flops / GEMM rate + bytes / (mem_gbps x mem_efficiency), so every extra
-    decode row adds its flops; a convert piece (experts_acc) reads through its convert pass
-    (no second read). On a GPU the roofline: the longer of the two, each on its own resource.
+    its cpu demand is max(read, flops + (1 - gemm_read_slack) x read), read = bytes /
+    (mem_gbps x mem_efficiency), or decode_attn_mem_efficiency for a decode step's attention
+    piece (one new token per row); slack absent = 0: reads and flops add up, every extra row
+    its flops; slack 1: the longer of the two. A convert piece (experts_acc) reads through
+    its convert pass (no second read). On a GPU the roofline, each on its own resource.
     Hand arithmetic from local.toml's and the paper profile's numbers."""
     local = load_profile("local")
     acc = local.values["accelerator"]
-    rates = Rates(local)
     gemm = acc["bf16_tflops"] * acc["compute_efficiency"] * 1e12
     mem = acc["mem_gbps"] * acc["mem_efficiency"] * 1e9
+    mem_dec = acc["mem_gbps"] * acc["decode_attn_mem_efficiency"] * 1e9
+    assert mem_dec != mem  # measured apart: the test tells the two rates apart
     nbytes, per_row = 187e6, 2 * 187e6
 
-    def price(r: Rates, kind: str, rows: int, **args):
+    def price(r: Rates, kind: str, rows: int, decode: bool, **args):
         b = PlanBuilder("t", 1)
-        b.add(kind, "acc:0", flops=rows * per_row, bytes=nbytes, tokens=[0, rows], **args)
-        plan = b.build(batch=rows, compute_dtype="bf16")
+        b.add(kind, "acc:0", flops=rows * per_row, bytes=nbytes, tokens=[0, 1 if decode else rows], **args)
+        plan = b.build(batch=rows if decode else 1, compute_dtype="bf16")
         (ph,) = price_op(r, plan, plan.ops[0], (0,), None)
         return ph
 
-    for rows in (1, 4):
-        ph = price(rates, "attn_route", rows)
-        assert ph.demand_s["cpu0"] == pytest.approx(rows * per_row / gemm + nbytes / mem)
-        assert ph.demand_s["accmem0"] == pytest.approx(nbytes / mem)
-    four, one = price(rates, "attn_route", 4), price(rates, "attn_route", 1)
+    for slack in (0.0, acc["gemm_read_slack"], 1.0):
+        rates = Rates(local.with_values({"accelerator.gemm_read_slack": slack}))
+        for rows in (1, 2, 4):
+            read, flops = nbytes / mem_dec, rows * per_row / gemm
+            ph = price(rates, "attn_route", rows, decode=True)
+            assert ph.demand_s["cpu0"] == pytest.approx(max(read, flops + (1 - slack) * read))
+            assert ph.demand_s["accmem0"] == pytest.approx(read)
+        chunk = price(rates, "attn_route", 16, decode=False)  # a prefill chunk: the GEMV's rate
+        assert chunk.demand_s["cpu0"] == pytest.approx(
+            max(nbytes / mem, 16 * per_row / gemm + (1 - slack) * nbytes / mem)
+        )
+        conv = price(rates, "experts_acc", 16, decode=False)
+        assert conv.demand_s["cpu0"] == pytest.approx(16 * per_row / gemm + nbytes / rates.convert)
+    add = Rates(local.with_values({"accelerator.gemm_read_slack": None}))  # absent: they add up
+    four, one = price(add, "attn_route", 4, True), price(add, "attn_route", 1, True)
     assert four.demand_s["cpu0"] - one.demand_s["cpu0"] == pytest.approx(3 * per_row / gemm)
-    conv = price(rates, "experts_acc", 16)
-    assert conv.demand_s["cpu0"] == pytest.approx(16 * per_row / gemm + nbytes / rates.convert)
+    plain = Rates(local.with_values({"accelerator.decode_attn_mem_efficiency": None}))
+    assert price(plain, "attn_route", 1, True).demand_s["accmem0"] == pytest.approx(nbytes / mem)
 
     paper = load_profile(PAPER)
     pr = Rates(paper)
-    g = price(pr, "attn_route", 4)
+    g = price(pr, "attn_route", 4, True)
     assert "cpu0" not in g.demand_s
     assert g.demand_s["acc0"] == pytest.approx(4 * per_row / pr.acc["bf16"])
     assert g.demand_s["accmem0"] == pytest.approx(nbytes / pr.acc_mem)

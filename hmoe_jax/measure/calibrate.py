@@ -16,7 +16,8 @@ combined by their medians (combine_blocks):
   its weight-read rate the same kernel at M = 1 over rotated matrices; fp32: an XLA f32 dot;
   the engine's prefill attention piece on one DeepSeek-V3 layer in each form (absorbed at
   128 tokens, expanded at 512) = attn_absorbed_tflops / attn_expanded_tflops
-  (measure/standin.py);
+  (measure/standin.py); its decode attention at 1 and 4 rows: the piece's own read
+  efficiency and the share of its read time that hides its rows' flops (read_slack);
 - the staging ring's copy threads (StagingRing, 2 threads, 256 MiB slots) and a hop
   (jax.device_put between two CPU devices, 8 MiB); the copy threads the engine sizes here
   (runtime/staging.size_copy_threads against the hop rate) = copy_threads;
@@ -224,7 +225,7 @@ def calibrate(quick: bool = False, devices: int = 2) -> dict[str, Any]:
         m["cpu_model"] = "unknown CPU"
     probe = ReadProbe()
     probe.gbps()
-    from hmoe_jax.measure.standin import convert_gbps, standin_attention, standin_gemm
+    from hmoe_jax.measure.standin import convert_gbps, decode_attention, standin_attention, standin_gemm
 
     # the two rates the decode and slp validations lean on most (the FP8 op, the in-XLA
     # convert) in blocks spread over the calibration, each combined by its median
@@ -239,6 +240,12 @@ def calibrate(quick: bool = False, devices: int = 2) -> dict[str, Any]:
     conv_blocks.append(convert_gbps(rng, probe, reps))
     m["attention"] = standin_attention(rng, probe, reps)
     print(f"[calibrate] stand-in attention {m['attention']}", flush=True)
+    m["decode_attention"] = decode_attention(rng, probe, reps, m["gemm"]["bf16_tflops"] * 1e12)
+    print(
+        f"[calibrate] stand-in decode attention: read efficiency {m['decode_attention']['mem_efficiency']:.3f}, "
+        f"read slack {m['decode_attention']['read_slack']:.3f}",
+        flush=True,
+    )
     while len(fp8_blocks) < n_blocks:
         fp8_blocks.append(expert_kernel(rng, probe, "fp8", 32, reps))
         conv_blocks.append(convert_gbps(rng, probe, reps))

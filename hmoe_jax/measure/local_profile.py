@@ -136,6 +136,7 @@ def write_profile(path: Path, m: dict[str, Any]) -> str:
                 f"{here}: our FP8 GEMV (M=1) {g['gemv_gbps']:.1f} GB/s over 48 rotated 2048 x 7168 matrices, over its side-by-side read probe {g['gemv_probe_gbps']:.1f} GB/s",
             ),
             "mem_bytes": (m["mem_bytes"], "measured: host RAM (os.sysconf), the stand-in's memory"),
+            **_decode_attention_leaves(m.get("decode_attention"), here),
             **{
                 f"attn_{form}_tflops": (
                     a["tflops"],
@@ -202,3 +203,27 @@ def write_profile(path: Path, m: dict[str, Any]) -> str:
     text = "\n".join(lines) + "\n"
     path.write_text(text)
     return text
+
+
+def _decode_attention_leaves(da: dict | None, here: str) -> dict:
+    """The stand-in's decode attention inputs (measure/standin.decode_attention), if measured."""
+    if not da:
+        return {}
+    one, hi = da["points"]["1"], da["points"][str(da["rows"])]
+    how = (
+        f"the engine's decode attention (decode_attention_unwritten, FP8 weights through the bf16 policy's "
+        f"hooks) on one {da['model']} layer, {da['weight_bytes'] / 1e6:.0f} MB read per call"
+    )
+    return {
+        "decode_attn_mem_efficiency": (
+            min(1.0, da["mem_efficiency"]),
+            f"{here}: {how}: 1 row {one['seconds'] * 1e3:.2f} ms, over its side-by-side read probe "
+            f"{one['probe_gbps']:.1f} GB/s",
+        ),
+        "gemm_read_slack": (
+            da["read_slack"],
+            f"{here}: {how}: {da['rows']} rows {hi['seconds'] * 1e3:.2f} ms against its read "
+            f"{da['read_s'] * 1e3:.2f} ms (that efficiency on the round's probe {hi['probe_gbps']:.1f} GB/s) + "
+            f"its flops {da['flops_s'] * 1e3:.2f} ms (at bf16_tflops): (read + flops - t) / read, in [0, 1]",
+        ),
+    }

@@ -10,7 +10,9 @@ an XLA CPU device standing in for a GPU runs its pieces at on this machine.
   256), as flops (plan.costs.attn_flops, what the plans charge) per second. An attention
   piece is not one GEMM: its rate at prefill sizes differs from bf16_tflops (measured here:
   the absorbed form's per-head matmuls and the key-block walks run slower per flop), and the
-  simulator prices prefill attention pieces at these rates when the profile has them.
+  simulator prices prefill attention pieces at these rates when the profile has them;
+- decode_attention: the engine's decode attention on that layer at 1 and 4 rows: its own
+  read efficiency and how much of its rows' flops its read pass hides (read_slack).
 """
 
 from __future__ import annotations
@@ -106,11 +108,33 @@ def standin_attention(rng, probe: ReadProbe, repeats: int, model: str = "deepsee
     import jax
     import jax.numpy as jnp
 
+    from hmoe_jax.model import attention as A
+    from hmoe_jax.plan import costs
+
+    cfg, prec, p = _mla_layer(rng, model)
+    d, r = cfg.hidden_size, cfg.kv_lora_rank
+    out: dict[str, dict] = {}
+    for form, t in ATTN_TOKENS.items():
+        x = jnp.asarray(rng.standard_normal((t, d)) * 0.1, jnp.bfloat16)
+        lat = jnp.zeros((1, t, r), jnp.bfloat16)
+        rope = jnp.zeros((1, t, cfg.qk_rope_head_dim), jnp.bfloat16)
+        f = jax.jit(functools.partial(A.prefill_attention, cfg=cfg, row=0, start=0, prec=prec, form=form))
+        args = {"p": p, "x": x, "cache_lat": lat, "cache_rope": rope}
+        s = median_time(lambda f=f, args=args: f(**args), max(3, repeats // 3), between=probe.tflops).median_s
+        flops = costs.attn_flops(cfg, t, 0, form=form, cache_len=t)
+        out[form] = {"tokens": t, "model": model, "seconds": s, "tflops": flops / s / 1e12}
+    return out
+
+
+def _mla_layer(rng, model: str):
+    """(cfg, the bf16 policy with the stand-in's hooks, one `model` attention layer with random
+    FP8 weights and the absorbed per-head weights placement derives)."""
+    import jax
+    import jax.numpy as jnp
+
     from hmoe_jax.config import named_model_config
     from hmoe_jax.engine.engine import precision_for
-    from hmoe_jax.model import attention as A
     from hmoe_jax.model.params import MLAParams
-    from hmoe_jax.plan import costs
     from hmoe_jax.quant.fp8 import Fp8Tensor
     from hmoe_jax.runtime.placement import make_placement
     from hmoe_jax.runtime.state import absorbed_weights
@@ -134,15 +158,74 @@ def standin_attention(rng, probe: ReadProbe, repeats: int, model: str = "deepsee
         q_b=w(h * cfg.qk_head_dim, cfg.q_lora_rank),
     )
     uk, uv = jax.device_put(absorbed_weights(p, cfg, prec))
-    p = p.replace(w_uk=uk, w_uv=uv)
-    out: dict[str, dict] = {}
-    for form, t in ATTN_TOKENS.items():
-        x = jnp.asarray(rng.standard_normal((t, d)) * 0.1, jnp.bfloat16)
-        lat = jnp.zeros((1, t, r), jnp.bfloat16)
-        rope = jnp.zeros((1, t, cfg.qk_rope_head_dim), jnp.bfloat16)
-        f = jax.jit(functools.partial(A.prefill_attention, cfg=cfg, row=0, start=0, prec=prec, form=form))
-        args = {"p": p, "x": x, "cache_lat": lat, "cache_rope": rope}
-        s = median_time(lambda f=f, args=args: f(**args), max(3, repeats // 3), between=probe.tflops).median_s
-        flops = costs.attn_flops(cfg, t, 0, form=form, cache_len=t)
-        out[form] = {"tokens": t, "model": model, "seconds": s, "tflops": flops / s / 1e12}
-    return out
+    return cfg, prec, p.replace(w_uk=uk, w_uv=uv)
+
+
+SLACK_ROWS = 4  # the decode rows of read_slack's second point (the e03 / e09 batch)
+
+
+def decode_attention(
+    rng, probe: ReadProbe, repeats: int, flops_per_s: float, model: str = "deepseek_v3"
+) -> dict:
+    """The engine's decode attention (model.attention.decode_attention_unwritten, projections
+    and per-head kernels through the stand-in's hooks) on one `model` attention layer at 1
+    and SLACK_ROWS rows, each side by side with a read probe: the two stand-in inputs the
+    simulator prices a decode piece with (sim/pricing._compute).
+
+    mem_efficiency: its read bytes (as sim/reads counts them) / seconds at one row / the
+    probe: the piece's own read rate, below the FP8 GEMV's (its norms, rope, softmax and
+    hops between kernels are small XLA ops that ride along).
+    read_slack: the share of a piece's read time in which its cores do its flops for free
+    (busy = max(read, flops + (1 - slack) x read)): at SLACK_ROWS rows, read = the bytes at
+    that efficiency on that round's probe, flops = plan.costs.attn_flops at flops_per_s
+    (the stand-in's bf16 GEMM rate), slack = (read + flops - t) / read in [0, 1]. 0: they
+    add up (the AVX2 Zen 3 VM: the e03 twin's attn_route grew by its extra rows' full flop
+    time); 1: a pass hides them all (a roofline). The layer's decode weights (~190 MB) are
+    well over any L3, so every call reads DRAM."""
+    import jax
+    import jax.numpy as jnp
+
+    from hmoe_jax.model import attention as A
+    from hmoe_jax.plan import costs
+
+    cfg, prec, p = _mla_layer(rng, model)
+
+    def size(tree) -> int:
+        return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(tree))
+
+    slots, pos = 256, 63  # a short context: the weights, not the cache, are what it reads
+    kv_len = costs.decode_kv_len(pos + 1, slots)
+    # what a decode step reads, as sim/reads counts it: the layer's tensors but kv_b (the
+    # absorbed per-head copies stand in for it) and each row's kv_len cache slots
+    nbytes = size(p) - size(p.kv_b) + SLACK_ROWS * kv_len * cfg.cache_dim * 2
+    f = jax.jit(A.decode_attention_unwritten, static_argnames=("cfg", "kv_len", "prec"))
+    lat = jnp.zeros((SLACK_ROWS, slots, cfg.kv_lora_rank), jnp.bfloat16)
+    rope = jnp.zeros((SLACK_ROWS, slots, cfg.qk_rope_head_dim), jnp.bfloat16)
+    pts = {}
+    for b in (1, SLACK_ROWS):
+        x = jnp.asarray(rng.standard_normal((b, cfg.hidden_size)) * 0.1, jnp.bfloat16)
+        rows, at = jnp.arange(b, dtype=jnp.int32), jnp.full((b,), pos, jnp.int32)
+        call = lambda x=x, rows=rows, at=at: f(p, cfg, x, lat, rope, rows, at, kv_len, prec=prec)  # noqa: E731
+        t, bw = side_by_side(probe, call, 3, max(3, repeats // 2))
+        pts[b] = {
+            "seconds": t,
+            "probe_gbps": bw,
+            "flops": costs.attn_flops(cfg, 1, pos, rows=b, cache_len=slots),
+        }
+    one, hi = pts[1], pts[SLACK_ROWS]
+    # the piece's own read rate at one row (its small XLA ops ride along: it runs below the
+    # GEMV's mem_efficiency), then its read time re-based on the second point's probe
+    eff = nbytes / one["seconds"] / (one["probe_gbps"] * 1e9)
+    read_s = nbytes / (hi["probe_gbps"] * 1e9 * eff)
+    flops_s = hi["flops"] / flops_per_s
+    slack = min(1.0, max(0.0, (read_s + flops_s - hi["seconds"]) / read_s))
+    return {
+        "read_slack": slack,
+        "mem_efficiency": eff,
+        "model": model,
+        "weight_bytes": nbytes,
+        "rows": SLACK_ROWS,
+        "read_s": read_s,
+        "flops_s": flops_s,
+        "points": {str(b): v for b, v in pts.items()},
+    }

@@ -50,7 +50,7 @@ SOURCE_KINDS = ("spec", "measured", "published", "derived", "paper", "assumed")
 # the collectives dslp / ep run, each priced from its own measured model ([collectives])
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_to_all")
 
-# section -> key -> (type, required, rule); rule: "pos" (> 0), "frac" (0 < x <= 1),
+# section -> key -> (type, required, rule); rule: "pos" (> 0), "frac" (0 < x <= 1), "share" (0 <= x <= 1),
 # "nonneg" (>= 0), "count" (int >= 1), a tuple of allowed strings, or "str".
 _R = tuple[type, bool, Any]
 SCHEMA: dict[str, dict[str, _R]] = {
@@ -120,6 +120,14 @@ SCHEMA: dict[str, dict[str, _R]] = {
         # them (experts_acc's dense_weight: on XLA:CPU a slow elementwise pass, on a GPU fused
         # into the GEMM's reads); absent: no cost beyond the reads
         "weight_convert_gbps": (float, False, "pos"),
+        # a stand-in's (placement "host") pieces run their GEMMs on the cores that stream
+        # their weights: decode_attn_mem_efficiency is a decode attention piece's own read
+        # rate over the DRAM rate (its small XLA ops ride along; mem_efficiency is the bare
+        # FP8 GEMV's), gemm_read_slack the share of a piece's read time in which its cores do
+        # its flops for free (busy = max(read, flops + (1 - slack) x read)); both measured
+        # on the engine's decode attention (measure/standin.decode_attention)
+        "decode_attn_mem_efficiency": (float, False, "frac"),
+        "gemm_read_slack": (float, False, "share"),  # 0 is a measured end: they add up
     },
     "link": {
         "h2d_gbps": (float, True, "pos"),  # each accelerator's own host link, effective
@@ -174,6 +182,8 @@ ABSENT_DEFAULTS: dict[str, str] = {
     "accelerator.attn_absorbed_tflops": "absorbed-form prefill attention at the GEMM rate (compute dtype x compute_efficiency)",
     "accelerator.attn_expanded_tflops": "expanded-form prefill attention at the GEMM rate (compute dtype x compute_efficiency)",
     "accelerator.weight_convert_gbps": "free FP8 dequantisation in experts_acc (no cost beyond the weight reads)",
+    "accelerator.decode_attn_mem_efficiency": "mem_efficiency (the FP8 GEMV's) for a stand-in's decode attention pieces",
+    "accelerator.gemm_read_slack": "0: a stand-in piece's flops and weight reads add up (none hidden in its read pass)",
     "overheads.step_s": "0 s of host work per engine step outside its plan",
     "cpu.copy_threads": "staging copies take no host cores (a memcpy thread is not counted as a busy core)",
     "cpu.dram_corun_efficiency": "1.0: concurrent DRAM streams share the full read rate (no co-run loss)",
@@ -190,6 +200,9 @@ ABSENT_DEFAULTS: dict[str, str] = {
 _UNUSED_WHEN: dict[str, Any] = {
     # one NUMA node has no far node: no byte crosses a socket, absent or not
     "cpu.xsocket_gbps": lambda values: int(values["cpu"]["numa_nodes"]) < 2,
+    # a device accelerator's pieces do not share cores with their reads: stand-in inputs only
+    "accelerator.decode_attn_mem_efficiency": lambda values: values["accelerator"]["placement"] != "host",
+    "accelerator.gemm_read_slack": lambda values: values["accelerator"]["placement"] != "host",
 }
 WHATIF_SRC = "what-if: --set"  # the source of a value a caller overrides (Profile.with_values)
 
@@ -400,9 +413,19 @@ def check_value(where: str, want: type, rule: Any, v: Any) -> Any:
         need = "an int >= 1"
     else:
         ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-        lo_ok = {"pos": lambda x: x > 0, "frac": lambda x: 0 < x <= 1, "nonneg": lambda x: x >= 0}[rule]
+        lo_ok = {
+            "pos": lambda x: x > 0,
+            "frac": lambda x: 0 < x <= 1,
+            "share": lambda x: 0 <= x <= 1,
+            "nonneg": lambda x: x >= 0,
+        }[rule]
         ok = ok and lo_ok(v)
-        need = {"pos": "a number > 0", "frac": "a fraction in (0, 1]", "nonneg": "a number >= 0"}[rule]
+        need = {
+            "pos": "a number > 0",
+            "frac": "a fraction in (0, 1]",
+            "share": "a share in [0, 1]",
+            "nonneg": "a number >= 0",
+        }[rule]
     if not ok:
         raise ConfigError(f"{where}: must be {need}, got {v!r}")
     return want(v)

@@ -11,7 +11,9 @@ Physical resources of a profile (plan/profile.py):
                     (placement "host", a stand-in XLA CPU device: its GEMMs run on cpu<n> at
                     the measured stand-in rate and its reads also use dram<n>, so its ops and
                     the CPU experts share the same cores and DRAM; the cores that stream its
-                    weights also multiply them, so its reads and its flops add up there)
+                    weights also multiply them: its busy time is its read time plus the part of
+                    its flops that gemm_read_slack does not hide; a decode attention piece
+                    reads at decode_attn_mem_efficiency)
   h2d<i>, d2h<i>    accelerator i's own host link, each direction (PCIe is full duplex)
   p2p<i>            accelerator i's peer link (interconnect = "p2p" only)
   copy<i>           the staging ring's copy threads of the engine whose first accelerator is i
@@ -117,6 +119,12 @@ class Rates:
         eff = acc["compute_efficiency"]
         self.acc = {d: acc[f"{d}_tflops"] * eff * TERA for d in ("fp32", "bf16", "fp8")}
         self.acc_mem = acc["mem_gbps"] * acc["mem_efficiency"] * GB
+        # a stand-in's decode attention pieces read at their own measured rate, and its
+        # pieces hide gemm_read_slack of their read time's worth of flops (plan/profile.py)
+        self.decode_attn_mem = (
+            acc["mem_gbps"] * acc.get("decode_attn_mem_efficiency", acc["mem_efficiency"]) * GB
+        )
+        self.read_slack = float(acc.get("gemm_read_slack", 0.0))
         self.h2d, self.d2h = link["h2d_gbps"] * GB, link["d2h_gbps"] * GB
         self.p2p = link["p2p_gbps"] * GB if link["interconnect"] == "p2p" else None
         self.overheads = dict(p.values["overheads"])
@@ -218,10 +226,12 @@ def _compute(
     convert: bool = False,
     rate: float | None = None,
     fp8: float = 0,
+    mem: float | None = None,
 ) -> Phase:
     """convert: the piece dequantises its FP8 weights (nbytes) inside XLA first (experts_acc);
     rate: the piece's own flops/s for all its flops (default: `fp8` of the flops at the fp8
-    GEMM rate, the rest at the GEMM rate of `dtype`)."""
+    GEMM rate, the rest at the GEMM rate of `dtype`); mem: a stand-in piece's own read rate
+    (default acc_mem, the FP8 GEMV's)."""
     d: dict[str, float] = {}
     conv_s = nbytes / rates.convert if (convert and rates.convert) else 0.0
     if rate:
@@ -229,17 +239,20 @@ def _compute(
     else:
         flops_s = (flops - fp8) / rates.acc[dtype] + fp8 / rates.acc["fp8"]
     for i in devs:
-        _add(d, f"accmem{i}", nbytes / rates.acc_mem)
+        _add(d, f"accmem{i}", nbytes / (mem or rates.acc_mem))
         if rates.on_host:  # a stand-in: its GEMMs (and converts) use every core, its reads host DRAM
-            # The same cores unpack and multiply the weights they stream: a small-M piece's
-            # read (mem_efficiency, measured at M = 1) and each further row's flops add up
-            # rather than overlap. Traced on the e03 bench twin (2026-12-07): attn_route took
-            # 41 ms at B=1 and 54 ms at B=4, +13 ms for 3 rows whose flops cost 15.5 ms at
-            # bf16_tflops, where the longer of the two (the roofline a GPU gets) stayed 32 ms.
+            # The same cores unpack and multiply the weights they stream: while they wait on
+            # DRAM they do gemm_read_slack of the read time's worth of flops for free, and the
+            # rest of the flops adds to the read. How much hides is the CPU's: on the AVX2 Zen
+            # 3 VM none (the e03 twin's attn_route took 41 ms at B=1 and 54 ms at B=4, +13 ms
+            # for 3 rows whose flops cost 15.5 ms at bf16_tflops; the roofline would stay at
+            # 32 ms); on the AVX-512 Zen 5 VM about half (measured by hmoe calibrate on the
+            # decode attention, measure/standin.decode_attention). Absent: 0, the sum.
             # A convert pass already reads the bytes (weight_convert_gbps is its whole rate).
-            read_s = 0.0 if (convert and rates.convert) else nbytes / rates.acc_mem
+            read_s = 0.0 if (convert and rates.convert) else nbytes / (mem or rates.acc_mem)
+            busy_s = max(read_s, flops_s + (1.0 - rates.read_slack) * read_s) + conv_s
             for n in range(rates.nodes):
-                _add(d, f"cpu{n}", flops_s + conv_s + read_s)
+                _add(d, f"cpu{n}", busy_s)
             _host(d, rates, nbytes)
         else:
             _add(d, f"acc{i}", flops_s + conv_s)
@@ -338,7 +351,14 @@ def price_op(
             # a prefill attention piece at its own measured rate (the router's flops ride along)
             return (_compute(rates, _dtype(plan), (dev,), op.flops, op.bytes, k, rate=rates.attn[form]),)
         convert = k == "experts_acc"
-        return (_compute(rates, _dtype(plan), (dev,), op.flops, op.bytes, k, convert=convert, fp8=fp8),)
+        t0, t1 = op.args.get("tokens", (0, plan.num_tokens))
+        # a decode step's attention piece (one new token per row) reads at its own measured
+        # rate on a stand-in; with the shared expert inside (decode's attn_route) its ~20% of
+        # the bytes ride at that rate too, though alone they would run at the GEMV's
+        mem = rates.decode_attn_mem if k in ("attn", "attn_route") and int(t1) - int(t0) == 1 else None
+        return (
+            _compute(rates, _dtype(plan), (dev,), op.flops, op.bytes, k, convert=convert, fp8=fp8, mem=mem),
+        )
     if k in ("d2h", "h2d"):
         return (_link(rates, _device(devices, op.resource, rates), op.bytes, k, o["hop_s"], k),)
     if k == "experts_cpu":
