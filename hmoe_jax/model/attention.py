@@ -162,11 +162,6 @@ def o_unabsorb(
     return _head_matmul(p, cfg, prec, o_lat, "uv", rowwise)
 
 
-def _write_rows(cache: jax.Array, rows: jax.Array, pos: jax.Array, new: jax.Array) -> jax.Array:
-    """cache [N, S, X] with new [B, X] written at (rows[b], pos[b])."""
-    return cache.at[rows, pos].set(new.astype(cache.dtype), mode="promise_in_bounds")
-
-
 def _write_span(cache: jax.Array, row: jax.Array, start: jax.Array, new: jax.Array) -> jax.Array:
     """cache [N, S, X] with new [T, X] written at row, positions start..start+T-1."""
     return lax.dynamic_update_slice(cache, new[None].astype(cache.dtype), (row, start, 0))
@@ -413,8 +408,7 @@ def decode_attention(
     out, latent, k_rope = decode_attention_unwritten(
         p, cfg, x, cache_lat, cache_rope, rows, pos, kv_len, prec=prec
     )
-    rows, pos = jnp.asarray(rows, jnp.int32), jnp.asarray(pos, jnp.int32)
-    return out, _write_rows(cache_lat, rows, pos, latent), _write_rows(cache_rope, rows, pos, k_rope)
+    return (out, *write_kv_rows(cache_lat, cache_rope, rows, pos, latent, k_rope))
 
 
 def decode_attention_unwritten(
