@@ -125,13 +125,17 @@ def check_fp8_matmul(isa, m, n, k, rng):
 
 
 @pytest.mark.parametrize("isa", ISAS, ids=lambda i: ISA_IDS[i])
-@pytest.mark.parametrize("m", [4, 5, 11, 16, 300])
+@pytest.mark.parametrize("m", [4, 5, 11, 13, 16, 200, 300])
 def test_fp8_matmul_row_chunks_matches_ref(isa, m):
     """A long k makes the AVX2 path's row tiles (4 < M < 16) split the weight rows into
     several L2-sized chunks (256 KiB / k = 16 rows here: 16 + 16 + 11, the last with an odd
     row) with blocks of 4 activation rows and a partial block; M = 4 is the largest decode
     block. From M = 16 its GEMM runs: 128 k blocks, 7 panels of 6 rows + 1, and at M = 300
-    two passes of x^T (256 + 44 rows, padded to 48)."""
+    two passes of x^T (256 + 44 rows, padded to 48). The AVX-512 blocked GEMM (M >= 12):
+    column blocks of 2,048 (up to 96 rows a block) down to 1,024 (192 rows), so every output
+    is summed over 8-16 blocks; 10 panels of 4 weight rows + a 2-row and a 1-row tail; row
+    tiles of 3 with a remainder of 4 as 2 + 2 (M = 13, 16) or of 2 (M = 200: 192 + 8 rows;
+    M = 300: 192 + 108)."""
     check_fp8_matmul(isa, m, 43, 16384, np.random.default_rng(7 + m))
 
 

@@ -11,9 +11,9 @@
 // per half (see below) -> vdpbf16ps into accumulators that start at -136 * sum(x);
 // group scale once per group (one FMA).
 //
-// Tiling: R output rows x MB activation rows per register tile (MB <= 4); larger M loops
-// over activation chunks inside one row tile, so the tile's weights are re-read from L1,
-// not DRAM. Software prefetch pulls a row tile >= 8 KiB ahead into L2 (_MM_HINT_T1)
+// Tiling (M < 12; from 12 the blocked panel GEMM below): R output rows x MB activation
+// rows per register tile (MB <= 4); larger M loops over activation chunks inside one row
+// tile, so the tile's weights are re-read from L1, not DRAM. Software prefetch pulls a row tile >= 8 KiB ahead into L2 (_MM_HINT_T1)
 // while this one runs: measured on one core (thread CPU time, 1 GiB sets), T1 gives FP8
 // 0.9-1.0 of the read probe's bandwidth, T0 (into L1) 0.6-0.7, none 0.65.
 // Everything here is in an anonymous namespace: this file is compiled with AVX-512
@@ -152,55 +152,89 @@ void fp8_rows_mb(const uint16_t* xp, int64_t ks, int64_t mb, const Fp8Matrix& w,
   HMOE_TILE_MB(mb, fp8_tile, xp, ks, w, r0, y, ldy, n_end);
 }
 
-// ---- FP8, larger M: decode a 4-row weight panel once into a small bf16 buffer (L1/L2
-// resident, 4 * K * 2 bytes), then run dp-only register tiles from it for every chunk of
-// 4 activation rows. Chosen over re-decoding per activation chunk for m >= kPanelMinM
-// (measured: from m = 12 on, +20-30% at m = 16-256; re-decoding wins at m <= 8).
+// ---- FP8, larger M: a blocked GEMM over decoded weight panels. The activations are cut
+// into blocks of kMc rows x kc columns (kc: the block fits kXBlockBytes, so it stays in L2
+// while every weight panel of the thread's slice passes it, and a panel fits kPanelBytes,
+// so it stays in L1); for each block, a panel of
+// kPanelRows weight rows x kc columns is decoded once into an L1-resident bf16 buffer and
+// run against the block's rows by 4 x 3 register tiles (12 independent accumulator chains
+// cover vdpbf16ps's latency at two per cycle; 12 more hold the block-scaled sums). Partial
+// sums of later column blocks are added into y. Chosen over re-decoding per activation
+// chunk for m >= g_fp8_panel_min_m (re-decoding wins at m <= 8).
+// Measured side by side on a Zen 5 VM, 2 threads, against the unblocked panel kernel it
+// replaces (which streamed the whole [m, K] activations from L3 once per 4 weight rows):
+// see docs/kernels.md "FP8 prefill GEMM".
 int g_fp8_panel_min_m = 12;
 constexpr int kPanelRows = 4;
+constexpr int kTileRows = 3;
+constexpr int64_t kMc = 192;                    // activation rows per block (a multiple of 3)
+constexpr int64_t kXBlockBytes = 384 * 1024;    // activation block: [kMc, kc] bf16 in L2
+constexpr int64_t kPanelBytes = 16 * 1024;      // weight panel: [kPanelRows, kc] bf16 in L1
+
+// [hsum(a), hsum(b), hsum(c), hsum(d)]: pairwise adds within 128-bit lanes, then the four
+// lanes folded.
+inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  // shuffle_ps, not unpack*_ps: GCC 12's unpack headers trip -Wmaybe-uninitialized
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_ps(c, d, 0x44), _mm512_shuffle_ps(c, d, 0xEE));
+  // per lane: ab = [a0+a2, a1+a3, b0+b2, b1+b3], cd likewise
+  const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x88), _mm512_shuffle_ps(ab, cd, 0xDD));
+  // per lane: [a, b, c, d] partial sums
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm512_extractf32x8_ps(abcd, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
 
 template <int R, int MB>
-void fp8_panel_tile(const uint16_t* xp, int64_t ks, const uint16_t* panel, const Fp8Matrix& w,
-                    int64_t r0, float* y, int64_t ldy) {
+void fp8_block_tile(const uint16_t* xp, int64_t ks, const uint16_t* panel, int64_t ps,
+                    const Fp8Matrix& w, int64_t r0, int64_t c0, int64_t c1, float* y,
+                    int64_t ldy, bool add) {
+  // xp: the tile's first activation row (column 0); panel: row 0 of these R weight rows at
+  // column c0 (row stride ps). Columns [c0, c1) are whole scale blocks (or end at ks).
   const int64_t nkb = (w.k + w.block_k - 1) / w.block_k;
   const float* srow[R];
   for (int r = 0; r < R; ++r) srow[r] = w.scale + ((r0 + r) / w.block_n) * nkb;
   __m512 tot[R][MB];
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < MB; ++i) tot[r][i] = _mm512_setzero_ps();
-  for (int64_t kb = 0; kb < nkb; ++kb) {
-    const int64_t k0 = kb * w.block_k, k1 = std::min(w.k, k0 + w.block_k);
+  for (int64_t k0 = c0; k0 < c1; k0 += w.block_k) {
+    const int64_t k1 = std::min(c1, k0 + w.block_k);
     __m512 acc[R][MB];
     for (int r = 0; r < R; ++r)
       for (int i = 0; i < MB; ++i) acc[r][i] = _mm512_setzero_ps();
-    for (int64_t c = k0; c < k1; c += 64) {
-      __m512i xa[MB], xb[MB];
-      for (int i = 0; i < MB; ++i) {
-        xa[i] = _mm512_loadu_si512(xp + i * ks + c);
-        xb[i] = _mm512_loadu_si512(xp + i * ks + c + 32);
-      }
+    for (int64_t c = k0; c < k1; c += 32) {
+      __m512i xv[MB];
+      for (int i = 0; i < MB; ++i) xv[i] = _mm512_loadu_si512(xp + i * ks + c);
       for (int r = 0; r < R; ++r) {
-        const __m512i wa = _mm512_loadu_si512(panel + r * ks + c);
-        const __m512i wb = _mm512_loadu_si512(panel + r * ks + c + 32);
-        for (int i = 0; i < MB; ++i) {
-          acc[r][i] = dp(acc[r][i], wa, xa[i]);
-          acc[r][i] = dp(acc[r][i], wb, xb[i]);
-        }
+        const __m512i wv = _mm512_loadu_si512(panel + r * ps + (c - c0));
+        for (int i = 0; i < MB; ++i) acc[r][i] = dp(acc[r][i], wv, xv[i]);
       }
     }
+    const int64_t kb = k0 / w.block_k;
     for (int r = 0; r < R; ++r) {
       const __m512 s = _mm512_set1_ps(srow[r][kb]);
       for (int i = 0; i < MB; ++i) tot[r][i] = _mm512_fmadd_ps(acc[r][i], s, tot[r][i]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < MB; ++i) y[i * ldy + r0 + r] = hsum(tot[r][i]);
+  for (int i = 0; i < MB; ++i) {
+    float* o = y + i * ldy + r0;
+    if constexpr (R == 4) {  // the 4 rows' sums at once (~12 ops instead of 4 hsums' ~32)
+      const __m128 v = hsum4(tot[0][i], tot[1][i], tot[2][i], tot[3][i]);
+      _mm_storeu_ps(o, add ? _mm_add_ps(_mm_loadu_ps(o), v) : v);
+    } else {
+      for (int r = 0; r < R; ++r) o[r] = add ? o[r] + hsum(tot[r][i]) : hsum(tot[r][i]);
+    }
+  }
 }
 
 template <int R>
-void fp8_panel_mb(const uint16_t* xp, int64_t ks, int64_t mb, const uint16_t* panel,
-                  const Fp8Matrix& w, int64_t r0, float* y, int64_t ldy) {
-  HMOE_TILE_MB(mb, fp8_panel_tile, xp, ks, panel, w, r0, y, ldy);
+void fp8_block_rows(const uint16_t* xp, int64_t ks, int64_t mb, const uint16_t* panel,
+                    int64_t ps, const Fp8Matrix& w, int64_t r0, int64_t c0, int64_t c1,
+                    float* y, int64_t ldy, bool add) {
+  switch (mb) {
+    case 1: return fp8_block_tile<R, 1>(xp, ks, panel, ps, w, r0, c0, c1, y, ldy, add);
+    case 2: return fp8_block_tile<R, 2>(xp, ks, panel, ps, w, r0, c0, c1, y, ldy, add);
+    default: return fp8_block_tile<R, kTileRows>(xp, ks, panel, ps, w, r0, c0, c1, y, ldy, add);
+  }
 }
 
 void fp8_panel_rows(const uint16_t* xp, int64_t m, const Fp8Matrix& w, int64_t n0, int64_t n1,
@@ -208,30 +242,50 @@ void fp8_panel_rows(const uint16_t* xp, int64_t m, const Fp8Matrix& w, int64_t n
   const Fp8Tables& t = fp8_tables();
   const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
   const int64_t ks = packed_x_stride(w.k);
+  // Column block: whole scale blocks (block_k % 64 == 0), sized so [kMc, kc] bf16 fits
+  // kXBlockBytes; the last block ends at ks.
   thread_local IsaScratch<uint16_t> buf;  // not PackedX: see isa_scratch.h
-  uint16_t* panel = buf.reserve(kPanelRows * ks);
-  for (int64_t r = n0; r < n1; r += kPanelRows) {
-    const int64_t rr = std::min<int64_t>(kPanelRows, n1 - r);
-    for (int64_t j = 0; j < rr; ++j) {  // decode the panel: [rr, ks] bf16, pack_x's order
-      const uint8_t* row = w.w + (r + j) * w.k;
-      const uint8_t* next = w.w + std::min(r + j + kPanelRows, n1 - 1) * w.k;
-      for (int64_t c = 0; c < ks; c += 64) {
-        const int64_t len = std::min<int64_t>(64, w.k - c);
-        const __mmask64 mask = len >= 64 ? ~0ull : ((1ull << len) - 1);
-        _mm_prefetch(reinterpret_cast<const char*>(next + std::min(c, w.k - 1)), _MM_HINT_T1);
-        __m512i wa, wb;
-        decode_fp8(_mm512_maskz_loadu_epi8(mask, row + c), t, sign, wa, wb);
-        _mm512_storeu_si512(panel + j * ks + c, wa);
-        _mm512_storeu_si512(panel + j * ks + c + 32, wb);
+  for (int64_t m0 = 0; m0 < m; m0 += kMc) {
+    const int64_t m1 = std::min(m, m0 + kMc);
+    const int64_t kc_bytes = std::min(kXBlockBytes / (m1 - m0), kPanelBytes / kPanelRows);
+    const int64_t kc = std::max<int64_t>(w.block_k, kc_bytes / 2 / w.block_k * w.block_k);
+    uint16_t* panel = buf.reserve(kPanelRows * kc);
+    for (int64_t c0 = 0; c0 < ks; c0 += kc) {
+      const int64_t c1 = std::min(ks, c0 + kc);
+      for (int64_t r = n0; r < n1; r += kPanelRows) {
+        const int64_t rr = std::min<int64_t>(kPanelRows, n1 - r);
+        for (int64_t j = 0; j < rr; ++j) {  // decode the panel: [rr, c1 - c0] bf16, pack_x's order
+          const uint8_t* row = w.w + (r + j) * w.k;
+          const uint8_t* next = w.w + std::min(r + j + kPanelRows, n1 - 1) * w.k;
+          for (int64_t c = c0; c < c1; c += 64) {
+            const int64_t len = std::min<int64_t>(64, w.k - c);
+            const __mmask64 mask = len >= 64 ? ~0ull : ((1ull << len) - 1);
+            _mm_prefetch(reinterpret_cast<const char*>(next + std::min(c, w.k - 1)), _MM_HINT_T1);
+            __m512i wa, wb;
+            decode_fp8(_mm512_maskz_loadu_epi8(mask, row + c), t, sign, wa, wb);
+            _mm512_storeu_si512(panel + j * kc + (c - c0), wa);
+            _mm512_storeu_si512(panel + j * kc + (c - c0) + 32, wb);
+          }
+        }
+        const bool add = c0 > 0;
+        int64_t mb = 0;
+        for (int64_t i0 = m0; i0 < m1; i0 += mb) {
+          // 3 rows a tile; a remainder of 4 as 2 + 2 (a 1-row tile has 4 chains: latency-bound)
+          const int64_t left = m1 - i0;
+          mb = left == 4 ? 2 : std::min<int64_t>(kTileRows, left);
+          const uint16_t* x0 = xp + i0 * ks;
+          float* y0 = y + i0 * ldy;
+          int64_t j = 0;
+          if (rr == kPanelRows) {
+            fp8_block_rows<4>(x0, ks, mb, panel, kc, w, r, c0, c1, y0, ldy, add);
+            continue;
+          }
+          for (; j + 2 <= rr; j += 2)
+            fp8_block_rows<2>(x0, ks, mb, panel + j * kc, kc, w, r + j, c0, c1, y0, ldy, add);
+          if (j < rr)
+            fp8_block_rows<1>(x0, ks, mb, panel + j * kc, kc, w, r + j, c0, c1, y0, ldy, add);
+        }
       }
-    }
-    for (int64_t i0 = 0; i0 < m; i0 += 4) {
-      const int64_t mb = std::min<int64_t>(4, m - i0);
-      int64_t j = 0;
-      for (; j + 2 <= rr; j += 2)
-        fp8_panel_mb<2>(xp + i0 * ks, ks, mb, panel + j * ks, w, r + j, y + i0 * ldy, ldy);
-      if (j < rr)
-        fp8_panel_mb<1>(xp + i0 * ks, ks, mb, panel + j * ks, w, r + j, y + i0 * ldy, ldy);
     }
   }
 }
