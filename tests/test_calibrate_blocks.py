@@ -35,3 +35,24 @@ def test_one_block_is_itself_and_the_profile_note_names_the_spread():
     three = combine_blocks([{"m1_gbps": g, "m1_probe_gbps": 20.0} for g in (11.8, 13.0, 14.2)])
     note = _blocks_note(three["m1_gbps_ratios"])
     assert note == ", median of 3 blocks spread over the calibration (0.59-0.71)"
+
+
+def test_attention_blocks_combine_by_form_and_chunk_size():
+    from hmoe_jax.measure.standin import combine_attention
+
+    def block(a_s: float, e_s: float) -> dict:
+        def one(t: int, s: float) -> dict:
+            return {"tokens": t, "model": "m", "seconds": s, "tflops": 1.0 / s}
+
+        return {
+            "absorbed": {**one(128, a_s), "small": one(64, a_s / 2)},
+            "expanded": {**one(512, e_s), "small": one(256, e_s / 4)},
+        }
+
+    out = combine_attention([block(0.2, 1.0), block(0.1, 3.0), block(0.4, 2.0)])
+    assert out["absorbed"]["seconds"] == pytest.approx(0.2)
+    assert out["absorbed"]["tflops"] == pytest.approx(5.0)  # median of 5, 10, 2.5
+    assert out["absorbed"]["small"]["seconds"] == pytest.approx(0.1)
+    assert out["expanded"]["tflops"] == pytest.approx(0.5)  # median of 1, 1/3, 1/2
+    assert out["expanded"]["small"]["tokens"] == 256
+    assert out["expanded"]["small"]["tflops_blocks"] == pytest.approx([4.0, 4 / 3, 2.0])

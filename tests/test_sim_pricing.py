@@ -271,6 +271,46 @@ def test_prefill_attention_runs_at_its_measured_form_rate(paper):
             assert forms == {form}, (sched, n, forms)
 
 
+def test_a_prefill_attention_rate_follows_its_chunk_size_between_two_measured_points(paper):
+    """With a small-chunk point, a form's time per flop is linear in tokens between the two
+    measured chunk sizes and held outside them (hand arithmetic); the calibrated leaves of
+    measure/local_profile load as those keys; and a profile whose form has a measured rate
+    but no points lists the points as assumed, one without the rate does not."""
+    from hmoe_jax.measure.local_profile import _attention_leaves
+
+    one = {"model": "deepseek_v3", "seconds": 0.1}
+    leaves = _attention_leaves(
+        "absorbed",
+        {**one, "tokens": 128, "tflops": 50.0, "small": {**one, "tokens": 64, "tflops": 20.0}},
+        "measured: t",
+    )
+    prof = paper.with_values({f"accelerator.{k}": v for k, (v, _) in leaves.items()}, "measured: t")
+    rates = Rates(prof)
+
+    def acc_s(t0: int, t1: int) -> float:
+        b = PlanBuilder("t", 1)
+        b.add("attn", "acc:0", flops=1e13, tokens=[t0, t1], form="absorbed")
+        plan = b.build(batch=1, compute_dtype="bf16")
+        (ph,) = price_op(rates, plan, plan.ops[0], (0,), None)
+        return ph.demand_s["acc0"]
+
+    assert acc_s(0, 64) == pytest.approx(1e13 / 20e12)
+    assert acc_s(0, 128) == pytest.approx(1e13 / 50e12)
+    assert acc_s(0, 96) == pytest.approx(1e13 * (0.5 / 20e12 + 0.5 / 50e12))  # time per flop halfway
+    assert acc_s(512, 624) == pytest.approx(1e13 * (0.25 / 20e12 + 0.75 / 50e12))  # the chunk, not its start
+    assert acc_s(0, 32) == pytest.approx(1e13 / 20e12)  # held below the small point
+    assert acc_s(0, 200) == pytest.approx(1e13 / 50e12)  # and above the large one
+    # without the small point: one rate
+    flat = Rates(prof.with_values({"accelerator.attn_absorbed_tflops_small": None}))
+    assert flat.attn_rate("absorbed", 64) == pytest.approx(50e12)
+    # assumed inputs: listed where the form has a rate and no points, not where it has none
+    absent = prof.with_values(
+        {f"accelerator.{k}": None for k in leaves if k != "attn_absorbed_tflops"}
+    ).absent()
+    assert "accelerator.attn_absorbed_small_tokens" in absent
+    assert "accelerator.attn_expanded_small_tokens" not in paper.absent()
+
+
 def test_a_reading_expert_op_holds_the_cores_it_streams_with(paper):
     """The expert kernel's threads are every core of a node: while it streams experts the
     cores are busy, so its cpu<n> demand is the longer of compute and reads, and a concurrent

@@ -14,9 +14,9 @@ combined by their medians (combine_blocks):
 - the stand-in accelerator: its pieces' FP8 weight matmuls go through our FP8 GEMM kernel
   (model/precision.py hooks), so its bf16 GEMM rate is that kernel at M = 512 on 7168 x 2048,
   its weight-read rate the same kernel at M = 1 over rotated matrices; fp32: an XLA f32 dot;
-  the engine's prefill attention piece on one DeepSeek-V3 layer in each form (absorbed at
-  128 tokens, expanded at 512) = attn_absorbed_tflops / attn_expanded_tflops
-  (measure/standin.py); its decode attention at 1 and 4 rows: the piece's own read
+  the engine's prefill attention piece on one DeepSeek-V3 layer in each form at two chunk
+  sizes (absorbed at 64 and 128 tokens, expanded at 256 and 512) = attn_<form>_tflops at the
+  large one, attn_<form>_tflops_small at the small one (measure/standin.py); its decode attention at 1 and 4 rows: the piece's own read
   efficiency and the share of its read time that hides its rows' flops (read_slack);
 - the staging ring's copy threads (StagingRing, 2 threads, 256 MiB slots) and a hop
   (jax.device_put between two CPU devices, 8 MiB); the copy threads the engine sizes here
@@ -225,30 +225,46 @@ def calibrate(quick: bool = False, devices: int = 2) -> dict[str, Any]:
         m["cpu_model"] = "unknown CPU"
     probe = ReadProbe()
     probe.gbps()
-    from hmoe_jax.measure.standin import convert_gbps, decode_attention, standin_attention, standin_gemm
+    from hmoe_jax.measure.standin import (
+        combine_attention,
+        convert_gbps,
+        decode_attention,
+        standin_attention,
+        standin_gemm,
+    )
 
-    # the two rates the decode and slp validations lean on most (the FP8 op, the in-XLA
-    # convert) in blocks spread over the calibration, each combined by its median
-    # (combine_blocks); the other rates are one block each
+    # every rate that a validation row leans on, in blocks spread over the calibration,
+    # each combined by its median (combine_blocks): one block of the decode attention's read
+    # efficiency read 0.42 and 0.67 in two calibrations ten minutes apart on the Zen 5 VM,
+    # the expanded attention at 512 tokens 0.16 and 0.28 TFLOPS, the hop 10 and 26 GB/s
     n_blocks = 2 if quick else 3
-    fp8_blocks = [expert_kernel(rng, probe, "fp8", 32, reps)]
-    conv_blocks = [convert_gbps(rng, probe, reps)]
     m["int4_experts"] = expert_kernel(rng, probe, "int4", 48, reps)
     print(f"[calibrate] int4 experts {m['int4_experts']}", flush=True)
-    m["gemm"] = standin_gemm(rng, probe, reps)
-    fp8_blocks.append(expert_kernel(rng, probe, "fp8", 32, reps))
-    conv_blocks.append(convert_gbps(rng, probe, reps))
-    m["attention"] = standin_attention(rng, probe, reps)
-    print(f"[calibrate] stand-in attention {m['attention']}", flush=True)
-    m["decode_attention"] = decode_attention(rng, probe, reps, m["gemm"]["bf16_tflops"] * 1e12)
-    print(
-        f"[calibrate] stand-in decode attention: read efficiency {m['decode_attention']['mem_efficiency']:.3f}, "
-        f"read slack {m['decode_attention']['read_slack']:.3f}",
-        flush=True,
-    )
-    while len(fp8_blocks) < n_blocks:
+    fp8_blocks, conv_blocks, gemm_blocks, attn_blocks, dec_blocks, copy_blocks = [], [], [], [], [], []
+    for _ in range(n_blocks):
         fp8_blocks.append(expert_kernel(rng, probe, "fp8", 32, reps))
         conv_blocks.append(convert_gbps(rng, probe, reps))
+        gemm_blocks.append(standin_gemm(rng, probe, reps))
+        attn_blocks.append(standin_attention(rng, probe, reps))
+        dec_blocks.append(decode_attention(rng, probe, reps, gemm_blocks[-1]["bf16_tflops"] * 1e12))
+        copy_blocks.append(copy_rates(reps))
+    m["gemm"] = combine_blocks(gemm_blocks, (("gemv_gbps", "gemv_probe_gbps"),))
+    m["attention"] = combine_attention(attn_blocks)
+    print(f"[calibrate] stand-in attention, median of {n_blocks} blocks {m['attention']}", flush=True)
+    m["decode_attention"] = {
+        **dec_blocks[0],
+        **{k: statistics.median(b[k] for b in dec_blocks) for k in ("mem_efficiency", "read_slack")},
+        "blocks": {k: [b[k] for b in dec_blocks] for k in ("mem_efficiency", "read_slack")},
+    }
+    print(
+        f"[calibrate] stand-in decode attention: read efficiency {m['decode_attention']['mem_efficiency']:.3f}, "
+        f"read slack {m['decode_attention']['read_slack']:.3f} (medians of {n_blocks} blocks: "
+        f"{m['decode_attention']['blocks']})",
+        flush=True,
+    )
+    copies = combine_blocks(copy_blocks)
+    m.update({k: copies[k] for k in ("copy_gbps", "hop_gbps")})
+    m["copy_blocks"] = {k: [b[k] for b in copy_blocks] for k in ("copy_gbps", "hop_gbps")}
     m["fp8_experts"] = combine_blocks(fp8_blocks)
     print(f"[calibrate] fp8 experts, median of {n_blocks} blocks {m['fp8_experts']}", flush=True)
     m["gemm"]["convert_gbps"] = statistics.median(conv_blocks)
@@ -274,7 +290,6 @@ def calibrate(quick: bool = False, devices: int = 2) -> dict[str, Any]:
     m["probes"] = len(probe.all_gbps)
     print(f"[calibrate] read {m['read_gbps']:.1f} GB/s (median of {m['probes']} probes)", flush=True)
     print(f"[calibrate] stand-in gemm {m['gemm']}", flush=True)
-    m.update(copy_rates(reps))
     from hmoe_jax.measure.probes import dram_corun
     from hmoe_jax.runtime.staging import size_copy_threads
 

@@ -95,7 +95,11 @@ def write_profile(path: Path, m: dict[str, Any]) -> str:
                 min(1.0, ix["m1_gbps"] / ix["m1_probe_gbps"]),
                 f"{here}: fused INT4 MoE op M=1 {ix['m1_gbps']:.1f} GB/s over its side-by-side read probe {ix['m1_probe_gbps']:.1f} GB/s",
             ),
-            "copy_gbps": (m["copy_gbps"], f"{here}: StagingRing fill of 256 MiB, 2 copy threads, median"),
+            "copy_gbps": (
+                m["copy_gbps"],
+                f"{here}: StagingRing fill of 256 MiB, 2 copy threads, median"
+                + _blocks_note(m.get("copy_blocks", {}).get("copy_gbps")),
+            ),
             "copy_threads": (
                 m["copy_threads"],
                 f"{here}: runtime/staging.size_copy_threads: {m['copy_threads_why']}",
@@ -133,18 +137,15 @@ def write_profile(path: Path, m: dict[str, Any]) -> str:
             ),
             "mem_efficiency": (
                 min(1.0, g["gemv_gbps"] / g["gemv_probe_gbps"]),
-                f"{here}: our FP8 GEMV (M=1) {g['gemv_gbps']:.1f} GB/s over 48 rotated 2048 x 7168 matrices, over its side-by-side read probe {g['gemv_probe_gbps']:.1f} GB/s",
+                f"{here}: our FP8 GEMV (M=1) {g['gemv_gbps']:.1f} GB/s over 48 rotated 2048 x 7168 matrices, over its side-by-side read probe {g['gemv_probe_gbps']:.1f} GB/s"
+                + _blocks_note(g.get("gemv_gbps_ratios")),
             ),
             "mem_bytes": (m["mem_bytes"], "measured: host RAM (os.sysconf), the stand-in's memory"),
             **_decode_attention_leaves(m.get("decode_attention"), here),
             **{
-                f"attn_{form}_tflops": (
-                    a["tflops"],
-                    f"{here}: the engine's blocked MLA prefill attention ({form} form, FP8 weights through the "
-                    f"bf16 policy's hooks) on one {a['model']} layer, {a['tokens']} new tokens, "
-                    f"plan.costs.attn_flops over {a['seconds']:.3f} s, median",
-                )
+                k: v
                 for form, a in m["attention"].items()
+                for k, v in _attention_leaves(form, a, here).items()
             },
             "weight_convert_gbps": (
                 g["convert_gbps"],
@@ -153,7 +154,11 @@ def write_profile(path: Path, m: dict[str, Any]) -> str:
             ),
         },
         "link": {
-            "h2d_gbps": (m["hop_gbps"], f"{here}: jax.device_put of 8 MiB between two CPU devices, median"),
+            "h2d_gbps": (
+                m["hop_gbps"],
+                f"{here}: jax.device_put of 8 MiB between two CPU devices, median"
+                + _blocks_note(m.get("copy_blocks", {}).get("hop_gbps")),
+            ),
             "d2h_gbps": (m["hop_gbps"], f"{here}: as h2d_gbps (the same copy)"),
             "interconnect": ("host", "measured: stand-ins share host memory"),
         },
@@ -205,6 +210,32 @@ def write_profile(path: Path, m: dict[str, Any]) -> str:
     return text
 
 
+def _attention_leaves(form: str, a: dict, here: str) -> dict:
+    """A form's prefill attention rate at its large chunk size and, if measured, at its small
+    one (measure/standin.standin_attention)."""
+
+    def src(x: dict) -> str:
+        return (
+            f"{here}: the engine's blocked MLA prefill attention ({form} form, FP8 weights through the "
+            f"bf16 policy's hooks) on one {x['model']} layer, {x['tokens']} new tokens, "
+            f"plan.costs.attn_flops over {x['seconds']:.3f} s, median" + _blocks_note(x.get("tflops_blocks"))
+        )
+
+    out = {f"attn_{form}_tflops": (a["tflops"], src(a))}
+    small = a.get("small")
+    if small:
+        out[f"attn_{form}_tokens"] = (
+            float(a["tokens"]),
+            f"{here}: the chunk size attn_{form}_tflops was timed at",
+        )
+        out[f"attn_{form}_tflops_small"] = (small["tflops"], src(small))
+        out[f"attn_{form}_small_tokens"] = (
+            float(small["tokens"]),
+            f"{here}: the chunk size attn_{form}_tflops_small was timed at",
+        )
+    return out
+
+
 def _decode_attention_leaves(da: dict | None, here: str) -> dict:
     """The stand-in's decode attention inputs (measure/standin.decode_attention), if measured."""
     if not da:
@@ -214,6 +245,21 @@ def _decode_attention_leaves(da: dict | None, here: str) -> dict:
         f"the engine's decode attention (decode_attention_unwritten, FP8 weights through the bf16 policy's "
         f"hooks) on one {da['model']} layer, {da['weight_bytes'] / 1e6:.0f} MB read per call"
     )
+    blocks = da.get("blocks", {})
+    if blocks:  # medians of blocks: each block's own numbers are not the value's
+        return {
+            "decode_attn_mem_efficiency": (
+                min(1.0, da["mem_efficiency"]),
+                f"{here}: {how}: 1 row, its read rate over its side-by-side read probe"
+                + _blocks_note(blocks["mem_efficiency"]),
+            ),
+            "gemm_read_slack": (
+                da["read_slack"],
+                f"{here}: {how}: {da['rows']} rows against its read (that efficiency on the round's probe) + "
+                f"its flops (at bf16_tflops): (read + flops - t) / read, in [0, 1]"
+                + _blocks_note(blocks["read_slack"]),
+            ),
+        }
     return {
         "decode_attn_mem_efficiency": (
             min(1.0, da["mem_efficiency"]),

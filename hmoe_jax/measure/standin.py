@@ -18,6 +18,7 @@ an XLA CPU device standing in for a GPU runs its pieces at on this machine.
 from __future__ import annotations
 
 import functools
+import statistics
 
 import numpy as np
 
@@ -98,13 +99,19 @@ def standin_gemm(rng, probe: ReadProbe, repeats: int) -> dict[str, float]:
     }
 
 
-ATTN_TOKENS = {"absorbed": 128, "expanded": 512}  # new tokens per timed call, one per form
+# new tokens per timed call, (small, large) per form: the chunk sizes its rate is priced
+# between (sim/pricing.Rates.attn_rate). Absorbed: the 64- and 128-token chunks e04 and e06
+# time; expanded: from its first chunk size (256) to the paper policy's serving chunk (512).
+# Not 1,024: a call there takes seconds here and its rate falls off a cliff (the scores of a
+# 1,024 x 512 key block leave the caches); beyond 512 the rate is held.
+ATTN_TOKENS = {"absorbed": (64, 128), "expanded": (256, 512)}
 
 
 def standin_attention(rng, probe: ReadProbe, repeats: int, model: str = "deepseek_v3") -> dict[str, dict]:
     """The engine's prefill attention on one `model` attention layer (FP8 weights, the bf16
-    policy with the stand-in's hooks, absorbed weights derived as placement does) at
-    ATTN_TOKENS new tokens from position 0: seconds and flops/s per form."""
+    policy with the stand-in's hooks, absorbed weights derived as placement does) at each of
+    ATTN_TOKENS' chunk sizes from position 0: per form, seconds and flops/s at the large
+    size, and the same at the small one under "small"."""
     import jax
     import jax.numpy as jnp
 
@@ -113,17 +120,39 @@ def standin_attention(rng, probe: ReadProbe, repeats: int, model: str = "deepsee
 
     cfg, prec, p = _mla_layer(rng, model)
     d, r = cfg.hidden_size, cfg.kv_lora_rank
-    out: dict[str, dict] = {}
-    for form, t in ATTN_TOKENS.items():
+
+    def timed(form: str, t: int) -> dict:
         x = jnp.asarray(rng.standard_normal((t, d)) * 0.1, jnp.bfloat16)
         lat = jnp.zeros((1, t, r), jnp.bfloat16)
         rope = jnp.zeros((1, t, cfg.qk_rope_head_dim), jnp.bfloat16)
         f = jax.jit(functools.partial(A.prefill_attention, cfg=cfg, row=0, start=0, prec=prec, form=form))
         args = {"p": p, "x": x, "cache_lat": lat, "cache_rope": rope}
-        s = median_time(lambda f=f, args=args: f(**args), max(3, repeats // 3), between=probe.tflops).median_s
+        s = median_time(lambda: f(**args), max(3, repeats // 3), between=probe.tflops).median_s
         flops = costs.attn_flops(cfg, t, 0, form=form, cache_len=t)
-        out[form] = {"tokens": t, "model": model, "seconds": s, "tflops": flops / s / 1e12}
+        return {"tokens": t, "model": model, "seconds": s, "tflops": flops / s / 1e12}
+
+    out: dict[str, dict] = {}
+    for form, (small, large) in ATTN_TOKENS.items():
+        out[form] = {**timed(form, large), "small": timed(form, small)}
     return out
+
+
+def combine_attention(blocks: list[dict[str, dict]]) -> dict[str, dict]:
+    """standin_attention's blocks as one: per form and chunk size the median seconds and
+    flops/s (the rates of each block listed under "tflops_blocks")."""
+
+    def med(xs: list[dict]) -> dict:
+        return {
+            **xs[0],
+            "seconds": statistics.median(x["seconds"] for x in xs),
+            "tflops": statistics.median(x["tflops"] for x in xs),
+            "tflops_blocks": [x["tflops"] for x in xs],
+        }
+
+    return {
+        form: {**med([b[form] for b in blocks]), "small": med([b[form]["small"] for b in blocks])}
+        for form in blocks[0]
+    }
 
 
 def _mla_layer(rng, model: str):

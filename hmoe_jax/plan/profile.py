@@ -113,6 +113,17 @@ SCHEMA: dict[str, dict[str, _R]] = {
         # effective rates, not scaled by compute_efficiency; absent: the GEMM rate
         "attn_absorbed_tflops": (float, False, "pos"),
         "attn_expanded_tflops": (float, False, "pos"),
+        # a form's rate is not one number: per flop the piece slows as the chunk grows (its
+        # f32 softmax over a [tokens, heads, key block] score block leaves the caches, work
+        # plan.costs does not count). attn_<form>_tflops was measured at attn_<form>_tokens
+        # new tokens, the _small rate at attn_<form>_small_tokens; between them the time per
+        # flop is linear in tokens, held beyond; absent: one rate at every chunk size
+        "attn_absorbed_tokens": (float, False, "pos"),
+        "attn_absorbed_tflops_small": (float, False, "pos"),
+        "attn_absorbed_small_tokens": (float, False, "pos"),
+        "attn_expanded_tokens": (float, False, "pos"),
+        "attn_expanded_tflops_small": (float, False, "pos"),
+        "attn_expanded_small_tokens": (float, False, "pos"),
         "mem_gbps": (float, True, "pos"),
         "mem_efficiency": (float, True, "frac"),
         "mem_bytes": (int, True, "count"),
@@ -181,6 +192,11 @@ ABSENT_DEFAULTS: dict[str, str] = {
     "cpu.copy_gbps": "no copy-rate cap of its own: a staging copy is bound only by host DRAM (2 x bytes)",
     "accelerator.attn_absorbed_tflops": "absorbed-form prefill attention at the GEMM rate (compute dtype x compute_efficiency)",
     "accelerator.attn_expanded_tflops": "expanded-form prefill attention at the GEMM rate (compute dtype x compute_efficiency)",
+    **{
+        f"accelerator.attn_{form}_{key}": f"attn_{form}_tflops at every chunk size (no slowdown per flop as chunks grow)"
+        for form in ("absorbed", "expanded")
+        for key in ("tokens", "tflops_small", "small_tokens")
+    },
     "accelerator.weight_convert_gbps": "free FP8 dequantisation in experts_acc (no cost beyond the weight reads)",
     "accelerator.decode_attn_mem_efficiency": "mem_efficiency (the FP8 GEMV's) for a stand-in's decode attention pieces",
     "accelerator.gemm_read_slack": "0: a stand-in piece's flops and weight reads add up (none hidden in its read pass)",
@@ -196,6 +212,12 @@ ABSENT_DEFAULTS: dict[str, str] = {
         for what in ("latency_s", "gbps")
     },
 }
+
+
+def _without_attn_rate(form: str) -> Any:
+    return lambda values: f"attn_{form}_tflops" not in values["accelerator"]
+
+
 # an absent key that is no default on some profiles: it is then not listed as assumed
 _UNUSED_WHEN: dict[str, Any] = {
     # one NUMA node has no far node: no byte crosses a socket, absent or not
@@ -203,6 +225,12 @@ _UNUSED_WHEN: dict[str, Any] = {
     # a device accelerator's pieces do not share cores with their reads: stand-in inputs only
     "accelerator.decode_attn_mem_efficiency": lambda values: values["accelerator"]["placement"] != "host",
     "accelerator.gemm_read_slack": lambda values: values["accelerator"]["placement"] != "host",
+    # a form's chunk-size points matter only where the form has a measured rate
+    **{
+        f"accelerator.attn_{form}_{key}": _without_attn_rate(form)
+        for form in ("absorbed", "expanded")
+        for key in ("tokens", "tflops_small", "small_tokens")
+    },
 }
 WHATIF_SRC = "what-if: --set"  # the source of a value a caller overrides (Profile.with_values)
 
@@ -377,6 +405,8 @@ class Profile:
                     "weight_convert_gbps",
                     "attn_absorbed_tflops",
                     "attn_expanded_tflops",
+                    "attn_absorbed_tflops_small",
+                    "attn_expanded_tflops_small",
                 )
             ]
         for s, k in keys:

@@ -142,6 +142,12 @@ class Rates:
         self.attn = {
             f: acc[f"attn_{f}_tflops"] * TERA for f in ("absorbed", "expanded") if f"attn_{f}_tflops" in acc
         }
+        # form -> (small tokens, small rate, tokens of attn_<form>_tflops), where measured
+        self.attn_small = {
+            f: (acc[f"attn_{f}_small_tokens"], acc[f"attn_{f}_tflops_small"] * TERA, acc[f"attn_{f}_tokens"])
+            for f in self.attn
+            if all(f"attn_{f}_{k}" in acc for k in ("small_tokens", "tflops_small", "tokens"))
+        }
         # expert compute at prefill M: (rows per expert, efficiency) at two points, or None
         keys = ("expert_compute_small_rows_per_expert", "expert_compute_efficiency_small")
         self.expert_small = (
@@ -152,6 +158,19 @@ class Rates:
         self.expert_eff = cpu["expert_compute_efficiency"]
         self.peak = cpu["bf16_tflops_per_node"] * TERA
         self.itf = interference.from_profile(p)  # copy threads' cores, cross-socket bytes
+
+    def attn_rate(self, form: str, tokens: int) -> float:
+        """The prefill attention piece's flops/s for a chunk of `tokens` new tokens in `form`:
+        attn_<form>_tflops, or with a measured small-chunk point, time per flop linear in
+        tokens between the two points, held outside them."""
+        rate = self.attn[form]
+        if form not in self.attn_small:
+            return rate
+        t_s, rate_s, t_l = self.attn_small[form]
+        if t_l <= t_s:
+            return rate
+        x = (min(max(float(tokens), t_s), t_l) - t_s) / (t_l - t_s)  # 0 at the small point, 1 at the large
+        return 1.0 / ((1 - x) / rate_s + x / rate)
 
     def expert_flops_at(self, rows_per_expert: float) -> float:
         """The expert kernel's flops/s per node at `rows_per_expert`: expert_flops, or with
@@ -348,8 +367,11 @@ def price_op(
         dev = _device(devices, op.resource, rates)
         form, fp8 = op.args.get("form"), fp8_flops(plan, op)
         if k in ("attn", "attn_route") and form in rates.attn and not op.args.get("with_shared"):
-            # a prefill attention piece at its own measured rate (the router's flops ride along)
-            return (_compute(rates, _dtype(plan), (dev,), op.flops, op.bytes, k, rate=rates.attn[form]),)
+            # a prefill attention piece at its own measured rate for its chunk size (the
+            # router's flops ride along)
+            t0, t1 = op.args.get("tokens", (0, plan.num_tokens))
+            rate = rates.attn_rate(form, int(t1) - int(t0))
+            return (_compute(rates, _dtype(plan), (dev,), op.flops, op.bytes, k, rate=rate),)
         convert = k == "experts_acc"
         t0, t1 = op.args.get("tokens", (0, plan.num_tokens))
         # a decode step's attention piece (one new token per row) reads at its own measured
