@@ -91,6 +91,36 @@ def test_side_by_side_probes_each_round(clock):
     assert (t_s, gbps) == (2.5, 20.0)
 
 
+def test_side_by_side_points_time_every_variant_each_round_in_alternating_order(clock):
+    class Probe:
+        def __init__(self) -> None:
+            self.rates = iter([10.0, 30.0, 20.0])
+
+        def gbps(self) -> float:
+            clock.now_s += 7.0  # probes are not timed
+            return next(self.rates)
+
+        def tflops(self) -> None:
+            clock.now_s += 7.0
+
+    order = []
+
+    def variant(name, durations_s):
+        f = clock.call(durations_s)
+
+        def g():
+            order.append(name)
+            f()
+
+        return g
+
+    # 1 warm-up call each, then 3 rounds of 1 call each: a, b / b, a / a, b
+    fns = {"a": variant("a", [50.0, 1.0, 5.0, 3.0]), "b": variant("b", [50.0, 2.0, 8.0, 4.0])}
+    ts, gbps = timing.side_by_side_points(Probe(), fns, calls=1, rounds=3)
+    assert order == ["a", "b", "a", "b", "b", "a", "a", "b"]
+    assert ts == {"a": 3.0, "b": 4.0} and gbps == 20.0
+
+
 def test_no_samples_is_an_error():
     with pytest.raises(ValueError, match="no samples"):
         timing.median_time(lambda: None, repeats=0)

@@ -24,7 +24,7 @@ import numpy as np
 
 from hmoe_jax.measure.probes import ReadProbe
 from hmoe_jax.measure.stacks import fp8_stack
-from hmoe_jax.measure.timing import median_time, side_by_side
+from hmoe_jax.measure.timing import median_time, side_by_side, side_by_side_points
 
 
 def convert_gbps(rng, probe: ReadProbe, repeats: int) -> float:
@@ -230,17 +230,24 @@ def decode_attention(
     f = jax.jit(A.decode_attention_unwritten, static_argnames=("cfg", "kv_len", "prec"))
     lat = jnp.zeros((SLACK_ROWS, slots, cfg.kv_lora_rank), jnp.bfloat16)
     rope = jnp.zeros((SLACK_ROWS, slots, cfg.qk_rope_head_dim), jnp.bfloat16)
-    pts = {}
+    calls = {}
     for b in (1, SLACK_ROWS):
         x = jnp.asarray(rng.standard_normal((b, cfg.hidden_size)) * 0.1, jnp.bfloat16)
         rows, at = jnp.arange(b, dtype=jnp.int32), jnp.full((b,), pos, jnp.int32)
-        call = lambda x=x, rows=rows, at=at: f(p, cfg, x, lat, rope, rows, at, kv_len, prec=prec)  # noqa: E731
-        t, bw = side_by_side(probe, call, 3, max(3, repeats // 2))
-        pts[b] = {
-            "seconds": t,
-            "probe_gbps": bw,
+        calls[b] = lambda x=x, rows=rows, at=at: f(p, cfg, x, lat, rope, rows, at, kv_len, prec=prec)  # noqa: E731
+    # both row counts in every round, in alternating order, beside one probe: the slack
+    # hangs on t(SLACK_ROWS) - t(1), ~1-2 ms of ~6-9, and timing the two points one after
+    # the other, each beside its own probes, let the VM's drift between them through (the
+    # 3 blocks of one calibration read slack 0.01-0.13; interleaved, 3 runs read 0.26-0.39)
+    ts, bws = side_by_side_points(probe, calls, 3, max(3, repeats // 2))
+    pts = {
+        b: {
+            "seconds": ts[b],
+            "probe_gbps": bws,
             "flops": costs.attn_flops(cfg, 1, pos, rows=b, cache_len=slots),
         }
+        for b in calls
+    }
     one, hi = pts[1], pts[SLACK_ROWS]
     # the piece's own read rate at one row (its small XLA ops ride along: it runs below the
     # GEMV's mem_efficiency), then its read time re-based on the second point's probe

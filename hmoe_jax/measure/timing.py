@@ -133,3 +133,25 @@ def side_by_side(probe: RateProbe, fn: Callable[[], object], calls: int, rounds:
             wait(fn())
         ts.append((time.perf_counter() - t) / calls)
     return statistics.median(ts), statistics.median(bws)
+
+
+def side_by_side_points(probe: RateProbe, fns: dict, calls: int, rounds: int) -> tuple[dict, float]:
+    """side_by_side for several variants of one measurement ({key: fn}) whose DIFFERENCE
+    matters: every round a read probe and a compute probe, then `calls` back-to-back calls
+    of each variant, in an order that reverses every round -> ({key: median seconds per
+    call}, median probe GB/s)."""
+    keys = list(fns)
+    for k in keys:
+        for _ in range(calls):
+            wait(fns[k]())
+    ts: dict = {k: [] for k in keys}
+    bws = []
+    for r in range(rounds):
+        bws.append(probe.gbps())
+        probe.tflops()
+        for k in keys if r % 2 == 0 else keys[::-1]:
+            t = time.perf_counter()
+            for _ in range(calls):
+                wait(fns[k]())
+            ts[k].append((time.perf_counter() - t) / calls)
+    return {k: statistics.median(v) for k, v in ts.items()}, statistics.median(bws)
