@@ -49,8 +49,8 @@ def test_median_time_skips_warmup_and_between(clock):
     assert len(probes) == 3
 
 
-def test_interleaved_timings_round_robin_per_call(clock):
-    order = []
+def _recording(clock, order: list):
+    """variant(name, durations_s) -> a call on the fake clock that appends `name` to order."""
 
     def variant(name, durations_s):
         f = clock.call(durations_s)
@@ -60,6 +60,13 @@ def test_interleaved_timings_round_robin_per_call(clock):
             f()
 
         return g
+
+    return variant
+
+
+def test_interleaved_timings_round_robin_per_call(clock):
+    order = []
+    variant = _recording(clock, order)
 
     # 2 calls per sample: a sample is the mean of two back-to-back calls
     out = timing.interleaved_timings(
@@ -73,50 +80,34 @@ def test_interleaved_timings_round_robin_per_call(clock):
     assert out["b"].median_s == pytest.approx(2.0) and out["b"].cpu_median_s == pytest.approx(2.0)
 
 
+class _Probe:
+    """A probe on the fake clock: reads 10, 30, 20 GB/s; its own time is not in any call's."""
+
+    def __init__(self, clock) -> None:
+        self.clock, self.rates = clock, iter([10.0, 30.0, 20.0])
+
+    def gbps(self) -> float:
+        self.clock.now_s += 7.0
+        return next(self.rates)
+
+    def tflops(self) -> None:
+        self.clock.now_s += 7.0
+
+
 def test_side_by_side_probes_each_round(clock):
-    class Probe:
-        def __init__(self) -> None:
-            self.rates = iter([10.0, 30.0, 20.0])
-
-        def gbps(self) -> float:
-            clock.now_s += 7.0  # probes are not timed
-            return next(self.rates)
-
-        def tflops(self) -> None:
-            clock.now_s += 7.0
-
     # 2 warm-up calls, then 3 rounds of 2 calls: per-call means 1.5, 3.5, 2.5
     fn = clock.call([50.0, 50.0, 1.0, 2.0, 3.0, 4.0, 2.0, 3.0])
-    t_s, gbps = timing.side_by_side(Probe(), fn, calls=2, rounds=3)
+    t_s, gbps = timing.side_by_side(_Probe(clock), fn, calls=2, rounds=3)
     assert (t_s, gbps) == (2.5, 20.0)
 
 
 def test_side_by_side_points_time_every_variant_each_round_in_alternating_order(clock):
-    class Probe:
-        def __init__(self) -> None:
-            self.rates = iter([10.0, 30.0, 20.0])
-
-        def gbps(self) -> float:
-            clock.now_s += 7.0  # probes are not timed
-            return next(self.rates)
-
-        def tflops(self) -> None:
-            clock.now_s += 7.0
-
     order = []
-
-    def variant(name, durations_s):
-        f = clock.call(durations_s)
-
-        def g():
-            order.append(name)
-            f()
-
-        return g
+    variant = _recording(clock, order)
 
     # 1 warm-up call each, then 3 rounds of 1 call each: a, b / b, a / a, b
     fns = {"a": variant("a", [50.0, 1.0, 5.0, 3.0]), "b": variant("b", [50.0, 2.0, 8.0, 4.0])}
-    ts, gbps = timing.side_by_side_points(Probe(), fns, calls=1, rounds=3)
+    ts, gbps = timing.side_by_side_points(_Probe(clock), fns, calls=1, rounds=3)
     assert order == ["a", "b", "a", "b", "b", "a", "a", "b"]
     assert ts == {"a": 3.0, "b": 4.0} and gbps == 20.0
 
