@@ -98,7 +98,7 @@ def write_profile(path: Path, m: dict[str, Any]) -> str:
             "copy_gbps": (
                 m["copy_gbps"],
                 f"{here}: StagingRing fill of 256 MiB, 2 copy threads, median"
-                + _blocks_note(m.get("copy_blocks", {}).get("copy_gbps")),
+                + _blocks_note(m["copy_blocks"]["copy_gbps"]),
             ),
             "copy_threads": (
                 m["copy_threads"],
@@ -141,7 +141,7 @@ def write_profile(path: Path, m: dict[str, Any]) -> str:
                 + _blocks_note(g.get("gemv_gbps_ratios")),
             ),
             "mem_bytes": (m["mem_bytes"], "measured: host RAM (os.sysconf), the stand-in's memory"),
-            **_decode_attention_leaves(m.get("decode_attention"), here),
+            **_decode_attention_leaves(m["decode_attention"], here),
             **{
                 k: v
                 for form, a in m["attention"].items()
@@ -157,7 +157,7 @@ def write_profile(path: Path, m: dict[str, Any]) -> str:
             "h2d_gbps": (
                 m["hop_gbps"],
                 f"{here}: jax.device_put of 8 MiB between two CPU devices, median"
-                + _blocks_note(m.get("copy_blocks", {}).get("hop_gbps")),
+                + _blocks_note(m["copy_blocks"]["hop_gbps"]),
             ),
             "d2h_gbps": (m["hop_gbps"], f"{here}: as h2d_gbps (the same copy)"),
             "interconnect": ("host", "measured: stand-ins share host memory"),
@@ -211,8 +211,8 @@ def write_profile(path: Path, m: dict[str, Any]) -> str:
 
 
 def _attention_leaves(form: str, a: dict, here: str) -> dict:
-    """A form's prefill attention rate at its large chunk size and, if measured, at its small
-    one (measure/standin.standin_attention)."""
+    """A form's prefill attention rate at its large and at its small chunk size
+    (measure/standin.standin_attention)."""
 
     def src(x: dict) -> str:
         return (
@@ -221,55 +221,38 @@ def _attention_leaves(form: str, a: dict, here: str) -> dict:
             f"plan.costs.attn_flops over {x['seconds']:.3f} s, median" + _blocks_note(x.get("tflops_blocks"))
         )
 
-    out = {f"attn_{form}_tflops": (a["tflops"], src(a))}
-    small = a.get("small")
-    if small:
-        out[f"attn_{form}_tokens"] = (
+    small = a["small"]
+    return {
+        f"attn_{form}_tflops": (a["tflops"], src(a)),
+        f"attn_{form}_tokens": (
             float(a["tokens"]),
             f"{here}: the chunk size attn_{form}_tflops was timed at",
-        )
-        out[f"attn_{form}_tflops_small"] = (small["tflops"], src(small))
-        out[f"attn_{form}_small_tokens"] = (
+        ),
+        f"attn_{form}_tflops_small": (small["tflops"], src(small)),
+        f"attn_{form}_small_tokens": (
             float(small["tokens"]),
             f"{here}: the chunk size attn_{form}_tflops_small was timed at",
-        )
-    return out
+        ),
+    }
 
 
-def _decode_attention_leaves(da: dict | None, here: str) -> dict:
-    """The stand-in's decode attention inputs (measure/standin.decode_attention), if measured."""
-    if not da:
-        return {}
-    one, hi = da["points"]["1"], da["points"][str(da["rows"])]
+def _decode_attention_leaves(da: dict, here: str) -> dict:
+    """The stand-in's decode attention inputs (measure/standin.decode_attention), medians of
+    calibrate's blocks (each block's own times are not the value's)."""
     how = (
         f"the engine's decode attention (decode_attention_unwritten, FP8 weights through the bf16 policy's "
         f"hooks) on one {da['model']} layer, {da['weight_bytes'] / 1e6:.0f} MB read per call"
     )
-    blocks = da.get("blocks", {})
-    if blocks:  # medians of blocks: each block's own numbers are not the value's
-        return {
-            "decode_attn_mem_efficiency": (
-                min(1.0, da["mem_efficiency"]),
-                f"{here}: {how}: 1 row, its read rate over its side-by-side read probe"
-                + _blocks_note(blocks["mem_efficiency"]),
-            ),
-            "gemm_read_slack": (
-                da["read_slack"],
-                f"{here}: {how}: {da['rows']} rows against its read (that efficiency on the round's probe) + "
-                f"its flops (at bf16_tflops): (read + flops - t) / read, in [0, 1]"
-                + _blocks_note(blocks["read_slack"]),
-            ),
-        }
     return {
         "decode_attn_mem_efficiency": (
             min(1.0, da["mem_efficiency"]),
-            f"{here}: {how}: 1 row {one['seconds'] * 1e3:.2f} ms, over its side-by-side read probe "
-            f"{one['probe_gbps']:.1f} GB/s",
+            f"{here}: {how}: 1 row, its read rate over its side-by-side read probe"
+            + _blocks_note(da["blocks"]["mem_efficiency"]),
         ),
         "gemm_read_slack": (
             da["read_slack"],
-            f"{here}: {how}: {da['rows']} rows {hi['seconds'] * 1e3:.2f} ms against its read "
-            f"{da['read_s'] * 1e3:.2f} ms (that efficiency on the round's probe {hi['probe_gbps']:.1f} GB/s) + "
-            f"its flops {da['flops_s'] * 1e3:.2f} ms (at bf16_tflops): (read + flops - t) / read, in [0, 1]",
+            f"{here}: {how}: {da['rows']} rows against its read (that efficiency on the round's probe) + "
+            f"its flops (at bf16_tflops): (read + flops - t) / read, in [0, 1]"
+            + _blocks_note(da["blocks"]["read_slack"]),
         ),
     }

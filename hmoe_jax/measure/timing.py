@@ -121,25 +121,16 @@ def interleaved_timings(
 def side_by_side(probe: RateProbe, fn: Callable[[], object], calls: int, rounds: int) -> tuple[float, float]:
     """(median seconds per fn() call, median probe GB/s of the same rounds): each round a
     read probe and a compute probe, then `calls` back-to-back calls (rotate a weight set
-    through them so each call reads DRAM)."""
-    for _ in range(calls):
-        wait(fn())
-    ts, bws = [], []
-    for _ in range(rounds):
-        bws.append(probe.gbps())
-        probe.tflops()
-        t = time.perf_counter()
-        for _ in range(calls):
-            wait(fn())
-        ts.append((time.perf_counter() - t) / calls)
-    return statistics.median(ts), statistics.median(bws)
+    through them so each call reads DRAM). side_by_side_points of one variant."""
+    ts, gbps = side_by_side_points(probe, {"fn": fn}, calls, rounds)
+    return ts["fn"], gbps
 
 
 def side_by_side_points(probe: RateProbe, fns: dict, calls: int, rounds: int) -> tuple[dict, float]:
-    """side_by_side for several variants of one measurement ({key: fn}) whose DIFFERENCE
-    matters: every round a read probe and a compute probe, then `calls` back-to-back calls
-    of each variant, in an order that reverses every round -> ({key: median seconds per
-    call}, median probe GB/s)."""
+    """Several variants of one measurement ({key: fn}, e.g. ones whose DIFFERENCE matters),
+    side by side with the probes: `calls` warm-up calls of each, then every round a read
+    probe and a compute probe, then `calls` back-to-back calls of each variant, in an order
+    that reverses every round -> ({key: median seconds per call}, median probe GB/s)."""
     keys = list(fns)
     for k in keys:
         for _ in range(calls):

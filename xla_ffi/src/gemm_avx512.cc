@@ -13,9 +13,10 @@
 //
 // Tiling (M < 12; from 12 the blocked panel GEMM below): R output rows x MB activation
 // rows per register tile (MB <= 4); larger M loops over activation chunks inside one row
-// tile, so the tile's weights are re-read from L1, not DRAM. Software prefetch pulls a row tile >= 8 KiB ahead into L2 (_MM_HINT_T1)
-// while this one runs: measured on one core (thread CPU time, 1 GiB sets), T1 gives FP8
-// 0.9-1.0 of the read probe's bandwidth, T0 (into L1) 0.6-0.7, none 0.65.
+// tile, so the tile's weights are re-read from L1, not DRAM. Software prefetch pulls a row
+// tile >= 8 KiB ahead into L2 (_MM_HINT_T1) while this one runs: measured on one core
+// (thread CPU time, 1 GiB sets), T1 gives FP8 0.9-1.0 of the read probe's bandwidth, T0
+// (into L1) 0.6-0.7, none 0.65.
 // Everything here is in an anonymous namespace: this file is compiled with AVX-512
 // flags, and a shared inline template would risk generic code calling AVX-512 code.
 // The BF16 kernels live in gemm_bf16_avx512.cc; helpers both use, in gemm_avx512_inl.h.
@@ -242,8 +243,8 @@ void fp8_panel_rows(const uint16_t* xp, int64_t m, const Fp8Matrix& w, int64_t n
   const Fp8Tables& t = fp8_tables();
   const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
   const int64_t ks = packed_x_stride(w.k);
-  // Column block: whole scale blocks (block_k % 64 == 0), sized so [kMc, kc] bf16 fits
-  // kXBlockBytes; the last block ends at ks.
+  // Column block: whole scale blocks (block_k % 64 == 0), sized so the row block's [rows,
+  // kc] bf16 fits kXBlockBytes and a [kPanelRows, kc] panel kPanelBytes; the last ends at ks.
   thread_local IsaScratch<uint16_t> buf;  // not PackedX: see isa_scratch.h
   for (int64_t m0 = 0; m0 < m; m0 += kMc) {
     const int64_t m1 = std::min(m, m0 + kMc);
@@ -275,11 +276,11 @@ void fp8_panel_rows(const uint16_t* xp, int64_t m, const Fp8Matrix& w, int64_t n
           mb = left == 4 ? 2 : std::min<int64_t>(kTileRows, left);
           const uint16_t* x0 = xp + i0 * ks;
           float* y0 = y + i0 * ldy;
-          int64_t j = 0;
           if (rr == kPanelRows) {
             fp8_block_rows<4>(x0, ks, mb, panel, kc, w, r, c0, c1, y0, ldy, add);
             continue;
           }
+          int64_t j = 0;  // a tail panel of 1-3 rows: 2-row tiles, then a 1-row one
           for (; j + 2 <= rr; j += 2)
             fp8_block_rows<2>(x0, ks, mb, panel + j * kc, kc, w, r + j, c0, c1, y0, ldy, add);
           if (j < rr)
