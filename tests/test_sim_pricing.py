@@ -372,7 +372,8 @@ def test_a_stand_in_piece_hides_its_read_slack_of_flops_a_gpu_piece_takes_the_lo
     (mem_gbps x mem_efficiency), or decode_attn_mem_efficiency for a decode step's attention
     piece (one new token per row); slack absent = 0: reads and flops add up, every extra row
     its flops; slack 1: the longer of the two. A convert piece (experts_acc) reads through
-    its convert pass (no second read). On a GPU the roofline, each on its own resource.
+    its convert pass (no second read) and computes its plan's dense_rows (the bucketed
+    rows of its group) where the plan gives them. On a GPU the roofline, each on its own resource.
     Hand arithmetic from local.toml's and the paper profile's numbers."""
     local = load_profile("local")
     acc = local.values["accelerator"]
@@ -382,10 +383,10 @@ def test_a_stand_in_piece_hides_its_read_slack_of_flops_a_gpu_piece_takes_the_lo
     assert mem_dec != mem  # measured apart: the test tells the two rates apart
     nbytes, per_row = 187e6, 2 * 187e6
 
-    def price(r: Rates, kind: str, rows: int, decode: bool, **args):
+    def price(r: Rates, kind: str, n: int, decode: bool, **args):
         b = PlanBuilder("t", 1)
-        b.add(kind, "acc:0", flops=rows * per_row, bytes=nbytes, tokens=[0, 1 if decode else rows], **args)
-        plan = b.build(batch=rows if decode else 1, compute_dtype="bf16")
+        b.add(kind, "acc:0", flops=n * per_row, bytes=nbytes, tokens=[0, 1 if decode else n], **args)
+        plan = b.build(batch=n if decode else 1, compute_dtype="bf16")
         (ph,) = price_op(r, plan, plan.ops[0], (0,), None)
         return ph
 
@@ -402,6 +403,9 @@ def test_a_stand_in_piece_hides_its_read_slack_of_flops_a_gpu_piece_takes_the_lo
         )
         conv = price(rates, "experts_acc", 16, decode=False)
         assert conv.demand_s["cpu0"] == pytest.approx(16 * per_row / gemm + nbytes / rates.convert)
+        # a group planned at 16 routed rows that the dense grouped GEMM runs over 40
+        dense = price(rates, "experts_acc", 16, decode=False, rows=16, dense_rows=40.0)
+        assert dense.demand_s["cpu0"] == pytest.approx(40 * per_row / gemm + nbytes / rates.convert)
     add = Rates(local.with_values({"accelerator.gemm_read_slack": None}))  # absent: they add up
     four, one = price(add, "attn_route", 4, True), price(add, "attn_route", 1, True)
     assert four.demand_s["cpu0"] - one.demand_s["cpu0"] == pytest.approx(3 * per_row / gemm)
@@ -412,5 +416,8 @@ def test_a_stand_in_piece_hides_its_read_slack_of_flops_a_gpu_piece_takes_the_lo
     pr = Rates(paper)
     g = price(pr, "attn_route", 4, True)
     assert "cpu0" not in g.demand_s
+    # the GPU's grouped kernel skips padded tiles: dense_rows does not apply there
+    gpu = price(pr, "experts_acc", 16, decode=False, rows=16, dense_rows=40.0)
+    assert gpu.demand_s["acc0"] == price(pr, "experts_acc", 16, decode=False).demand_s["acc0"]
     assert g.demand_s["acc0"] == pytest.approx(4 * per_row / pr.acc["bf16"])
     assert g.demand_s["accmem0"] == pytest.approx(nbytes / pr.acc_mem)

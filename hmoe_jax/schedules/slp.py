@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from hmoe_jax.config import ModelConfig
 from hmoe_jax.plan import costs, memory
+from hmoe_jax.plan.buckets import expected_expert_rows_bucket
 from hmoe_jax.plan.format import Plan, PlanBuilder
 from hmoe_jax.plan.system import SystemSpec
 from hmoe_jax.schedules.base import COMMON_OPTIONS, Schedule, ScheduleError
@@ -205,6 +206,11 @@ class SlpSchedule(Schedule):
                 # the executor computes the actual routing).
                 rows = n * k * (hi - lo) // e_total
                 ef = costs.expert_flops(cfg, rows)
+                # The executor runs the group at a bucketed row count (pieces.row_bucket of its
+                # routed rows) and a dense grouped GEMM (XLA:CPU's ragged_dot: the stand-in)
+                # computes every expert of the group over all of them: the rows it pays for,
+                # in expectation under the same routing (the GPU kernel skips padded tiles).
+                dense = (hi - lo) * expected_expert_rows_bucket(n, hi - lo, k, e_total)
                 prev = b.add(
                     "experts_acc",
                     "acc:0",
@@ -216,6 +222,8 @@ class SlpSchedule(Schedule):
                     slot=slot,
                     experts=[lo, hi],
                     tokens=[0, n],
+                    rows=rows,
+                    dense_rows=round(dense, 3),
                 )
                 unloads.append(b.add("unload", "unload:0", layer=layer, deps=[prev], slot=slot))
             h = b.add("combine", "acc:0", layer=layer, deps=[h, prev, s], tokens=[0, n])

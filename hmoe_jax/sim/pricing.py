@@ -28,7 +28,8 @@ spread evenly over dram<n>. Op kinds, as runtime/executor.py and runtime/dist_ex
   runs as FP8 GEMMs (kernels/fp8_gemm.py: FP8 weights under the bf16 policy on a GPU): it is
   priced at the profile's fp8 rate, the rest at the plan's compute_dtype rate (both x
   compute_efficiency); the same for the dslp compute ops' per-rank flops. experts_acc
-  also converts its slot's FP8 weights inside XLA (weight_convert_gbps, when the profile has
+  on a stand-in computes its group's dense_rows (plan arg: the bucketed rows that every
+  expert of the group runs over) instead of its routed rows, and also converts its slot's FP8 weights inside XLA (weight_convert_gbps, when the profile has
   one: the stand-in's dense_weight pass); a prefill attention piece (attn / attn_route without
   the fused shared expert, args.form absorbed or expanded) runs at the profile's
   attn_<form>_tflops when it has one (the piece's measured rate: not one GEMM; it was
@@ -373,14 +374,18 @@ def price_op(
             rate = rates.attn_rate(form, int(t1) - int(t0))
             return (_compute(rates, _dtype(plan), (dev,), op.flops, op.bytes, k, rate=rate),)
         convert = k == "experts_acc"
+        flops = op.flops
+        if convert and rates.on_host and op.args.get("rows"):
+            # the stand-in's dense grouped GEMM pays every expert of the group over the
+            # group's bucketed rows (the plan's dense_rows), not the routed rows alone
+            scale = float(op.args.get("dense_rows", op.args["rows"])) / float(op.args["rows"])
+            flops, fp8 = flops * scale, fp8 * scale
         t0, t1 = op.args.get("tokens", (0, plan.num_tokens))
         # a decode step's attention piece (one new token per row) reads at its own measured
         # rate on a stand-in; with the shared expert inside (decode's attn_route) its ~20% of
         # the bytes ride at that rate too, though alone they would run at the GEMV's
         mem = rates.decode_attn_mem if k in ("attn", "attn_route") and int(t1) - int(t0) == 1 else None
-        return (
-            _compute(rates, _dtype(plan), (dev,), op.flops, op.bytes, k, convert=convert, fp8=fp8, mem=mem),
-        )
+        return (_compute(rates, _dtype(plan), (dev,), flops, op.bytes, k, convert=convert, fp8=fp8, mem=mem),)
     if k in ("d2h", "h2d"):
         return (_link(rates, _device(devices, op.resource, rates), op.bytes, k, o["hop_s"], k),)
     if k == "experts_cpu":
