@@ -64,7 +64,9 @@ def sim_here(cfg, r: dict[str, Any]) -> dict[str, Any]:
 
     sim = simulate_decode_step(
         cfg,
-        local_profile(r["probe_gbps"], peak_tflops=r.get("probe_tflops")),
+        local_profile(
+            r["probe_gbps"], peak_tflops=r.get("probe_tflops"), stream_gbps=r.get("probe_stream_gbps")
+        ),
         r["context"],
         batch=r["batch"],
         max_len=128,

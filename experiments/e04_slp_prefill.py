@@ -88,7 +88,12 @@ def sim_here(cfg, r: dict[str, Any], max_len: int) -> dict[str, Any]:
     from experiments.common.simval import local_profile
     from hmoe_jax.sim.run import simulate_request
 
-    prof = local_profile(r["probe_gbps"], link_gbps=r["link_gbps"], peak_tflops=r.get("probe_tflops"))
+    prof = local_profile(
+        r["probe_gbps"],
+        link_gbps=r["link_gbps"],
+        peak_tflops=r.get("probe_tflops"),
+        stream_gbps=r.get("probe_stream_gbps"),
+    )
     sim = simulate_request(cfg, prof, r["schedule"], r["prompt_len"], max_len=max_len)
     return {
         "sim_prefill_s": sim["ttft_s"],

@@ -353,15 +353,16 @@ def mixes(
     run_mix(backend, long_prompt, shorts, 2, mix_tokens)
     run_mix(backend, long_prompt, shorts, 1, mix_tokens)
 
-    def settled_probes() -> tuple[float, float | None]:
-        # the host read rate and compute probe beside the runs (the simulator's replay
-        # inputs), not our own backend's tail: a probe right after a P/D round read 15-17 GB/s
-        # against 28-31 GB/s half a second later (its workers finish the cancelled decodes'
-        # last steps)
+    def settled_probes() -> tuple[float, float | None, float]:
+        # the host read rate, compute probe and stream probe beside the runs (the simulator's
+        # replay inputs), not our own backend's tail: a probe right after a P/D round read
+        # 15-17 GB/s against 28-31 GB/s half a second later (its workers finish the cancelled
+        # decodes' last steps)
         time.sleep(0.5)
         gbps = statistics.median(probe.gbps() for _ in range(3))
         tflops = [probe.tflops() for _ in range(3)]
-        return gbps, None if None in tflops else statistics.median(tflops)
+        stream = statistics.median(probe.stream_gbps() for _ in range(3))
+        return gbps, None if None in tflops else statistics.median(tflops), stream
 
     for k in (0, 1, 2):
         probes = [settled_probes()]
@@ -369,8 +370,8 @@ def mixes(
         probes.append(settled_probes())
         mix = [run_mix(backend, long_prompt, shorts, k, mix_tokens) for _ in range(rounds)]
         probes.append(settled_probes())
-        gbps = [g for g, _ in probes]
-        tflops = [t for _, t in probes]
+        gbps = [g for g, _, _ in probes]
+        tflops = [t for _, t, _ in probes]
         print(f"  [{name} k={k}] alone {_brief(ref)}, mix {_brief(mix)}", flush=True)
         ttft_a = statistics.median(x["ttft_s"] for x in ref)
         ttft_m = statistics.median(x["ttft_s"] for x in mix)
@@ -384,6 +385,7 @@ def mixes(
             "rounds": rounds,
             "probe_gbps": statistics.median(gbps),
             "probe_tflops": None if None in tflops else statistics.median(tflops),
+            "probe_stream_gbps": statistics.median(st for _, _, st in probes),
             # each round's requests as measured (arrivals, token times): the simulator replays them
             "replay_alone": [x["requests"] for x in ref],
             "replay_mix": [x["requests"] for x in mix],

@@ -81,3 +81,43 @@ def test_host_rates_rebase_on_the_probe_over_its_calibration_reading():
     assert got_old.values["accelerator"]["fp32_tflops"] == old.values["accelerator"]["fp32_tflops"]
     no_probe = prof.with_host_state(100.0, None, "no probe")
     assert no_probe.values["cpu"]["bf16_tflops_per_node"] == prof.values["cpu"]["bf16_tflops_per_node"]
+
+
+def test_the_read_rate_rebases_on_the_stream_probe_over_its_calibration_reading():
+    """With cpu.stream_probe_gbps and a stream reading, the re-based read rate is the
+    calibrated one x stream / calibrated stream (the bare read probe's reading unused); a
+    stand-in's memory rate follows. Without either, the read probe's reading as before."""
+    base = load_profile("paper_epyc9355_rtx5090")
+    values = {s: dict(v) for s, v in base.values.items()}
+    values["accelerator"]["placement"] = "host"
+    prof = _with_cpu(dataclasses.replace(base, values=values), stream_probe_gbps=36.0)
+    cpu = prof.values["cpu"]
+    calibrated = cpu["dram_gbps_per_node"] * prof.numa_nodes * cpu["dram_efficiency"]
+    got = prof.with_host_state(70.0, None, "test probe", stream_gbps=27.0)  # stream at 0.75
+    g = got.values["cpu"]
+    assert g["dram_gbps_per_node"] * g["dram_efficiency"] * prof.numa_nodes == pytest.approx(
+        0.75 * calibrated
+    )
+    assert got.values["accelerator"]["mem_gbps"] == pytest.approx(0.75 * calibrated)
+    for old in (
+        prof.with_host_state(70.0, None, "no stream"),
+        base.with_host_state(70.0, None, "x", stream_gbps=27.0),
+    ):
+        c = old.values["cpu"]
+        assert c["dram_gbps_per_node"] * c["dram_efficiency"] * old.numa_nodes == pytest.approx(70.0)
+
+
+def test_stream_probe_reads_the_read_probes_bytes_as_fp8_matrices():
+    from hmoe_jax.measure.probes import STREAM_K, STREAM_N, ReadProbe, stream_matrices
+
+    pytest.importorskip("_hmoe_ffi", reason="the stream probe runs the compiled FP8 GEMV")
+    per = STREAM_N * STREAM_K
+    probe = ReadProbe(nbytes=2 * per + 4096)  # two whole matrices and a tail
+    mats = stream_matrices(probe.buf)
+    assert len(mats) == 2
+    base = probe.buf.ctypes.data
+    assert [m.w.unsafe_buffer_pointer() for m in mats] == [base, base + per]  # zero-copy views
+    g = probe.stream_gbps()
+    assert math.isfinite(g) and g > 0 and probe.all_stream_gbps == [g]
+    with pytest.raises(ValueError, match="holds no 2048 x 7168 FP8 matrix"):
+        stream_matrices(probe.buf[: per - 1])

@@ -93,6 +93,9 @@ class _Probe:
     def tflops(self) -> None:
         self.clock.now_s += 7.0
 
+    def stream_gbps(self) -> None:
+        self.clock.now_s += 7.0
+
 
 def test_side_by_side_probes_each_round(clock):
     # 2 warm-up calls, then 3 rounds of 2 calls: per-call means 1.5, 3.5, 2.5

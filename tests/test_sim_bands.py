@@ -66,7 +66,12 @@ def test_band_widens_when_a_range_widens():
 
 def test_absent_defaults_cover_every_optional_key_and_are_varied():
     # absent = not projected / unused / no re-basing reference (with_host_state's fallback)
-    not_defaults = {"cpu.int4_expert_bw_efficiency", "link.p2p_gbps", "cpu.compute_probe_tflops"}
+    not_defaults = {
+        "cpu.int4_expert_bw_efficiency",
+        "link.p2p_gbps",
+        "cpu.compute_probe_tflops",
+        "cpu.stream_probe_gbps",
+    }
     optional = {f"{s}.{k}" for s, keys in SCHEMA.items() for k, (_, req, _) in keys.items() if not req}
     assert optional - not_defaults == set(ABSENT_DEFAULTS)
     assert set(ABSENT_RANGES) <= set(ABSENT_DEFAULTS)

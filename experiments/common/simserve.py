@@ -69,7 +69,9 @@ def validate_mixes(
     excluded = []
     for row in (r for r in rows if r.get("part") == "mix"):
         prof = local_profile(
-            read_gbps=row["probe_gbps"], peak_tflops=row.get("probe_tflops")
+            read_gbps=row["probe_gbps"],
+            peak_tflops=row.get("probe_tflops"),
+            stream_gbps=row.get("probe_stream_gbps"),
         ).with_accelerators(accelerators)
         for kind in ("alone", "mix"):
             logs = [lg for rnd in row[f"replay_{kind}"] for lg in (rnd if kind == "alone" else [rnd])]

@@ -29,19 +29,26 @@ from hmoe_jax.measure.probes import ReadProbe
 
 
 def local_profile(
-    read_gbps: float | None = None, link_gbps: float | None = None, peak_tflops: float | None = None
+    read_gbps: float | None = None,
+    link_gbps: float | None = None,
+    peak_tflops: float | None = None,
+    stream_gbps: float | None = None,
 ):
     """configs/systems/local.toml re-based on the side-by-side probes of the run it predicts
-    (Profile.with_host_state: the read rate always, the host-core rates by the compute probe
-    when the profile holds that probe's reading at calibration)."""
+    (Profile.with_host_state: the read rate always, by the stream probe when the row has one
+    and the profile holds that probe's reading at calibration, else by the read probe; the
+    host-core rates by the compute probe when the profile holds its reading). Records
+    from before the stream probe (no probe_stream_gbps) re-simulate as they were."""
     from hmoe_jax.plan.profile import load_profile
 
     prof = load_profile("local")
     if read_gbps is not None:
         why = f"measured: side-by-side probes in this run, read {read_gbps:.1f} GB/s"
+        if stream_gbps is not None and "stream_probe_gbps" in prof.values["cpu"]:
+            why += f", stream probe {stream_gbps:.1f} GB/s"
         if peak_tflops is not None and "compute_probe_tflops" in prof.values["cpu"]:
             why += f", compute probe {peak_tflops:.3f} TFLOPS"
-        prof = prof.with_host_state(read_gbps, peak_tflops, why)
+        prof = prof.with_host_state(read_gbps, peak_tflops, why, stream_gbps=stream_gbps)
     if link_gbps is not None:
         prof = prof.with_link(link_gbps)
     return prof
@@ -161,11 +168,13 @@ def measure_decode(
     times = {(b, m): [] for b in batches for m in modes}
     bws: dict[int, list[float]] = {b: [] for b in batches}
     pks: dict[int, list[float]] = {b: [] for b in batches}
+    sts: dict[int, list[float]] = {b: [] for b in batches}
     for _ in range(steps):
         for b in batches:
             for mode in modes:
                 bws[b].append(probe.gbps())
                 pks[b].append(probe.tflops())
+                sts[b].append(probe.stream_gbps())
                 times[(b, mode)].append(step(sets[b], mode))
     rows = []
     for b in batches:
@@ -177,6 +186,7 @@ def measure_decode(
                 "measured_step_s_async": statistics.median(times[(b, "async")]),
                 "probe_gbps": statistics.median(bws[b]),
                 "probe_tflops": _median_or_none(pks[b]),
+                "probe_stream_gbps": statistics.median(sts[b]),
                 "steps": steps,
             }
         )
@@ -196,10 +206,11 @@ def measure_prefill(
         cache = eng.new_cache(eng.max_len)
         opts = engine_prefill_options(eng)
         eng.prefill(ids, cache, schedule=schedule, **opts)  # compile
-        ts, bws, pks = [], [], []
+        ts, bws, pks, sts = [], [], [], []
         for _ in range(reps):
             bws.append(probe.gbps())
             pks.append(probe.tflops())
+            sts.append(probe.stream_gbps())
             t = time.perf_counter()
             _, _, secs, _ = eng.prefill(ids, cache, schedule=schedule, **opts)
             ts.append(time.perf_counter() - t)
@@ -210,6 +221,7 @@ def measure_prefill(
                 "measured_prefill_s": statistics.median(ts),
                 "probe_gbps": statistics.median(bws),
                 "probe_tflops": _median_or_none(pks),
+                "probe_stream_gbps": statistics.median(sts),
                 "reps": reps,
             }
         )

@@ -288,7 +288,19 @@ def calibrate(quick: bool = False, devices: int = 2) -> dict[str, Any]:
         m["bf16_peak_how"] = "no AVX-512-BF16: the expert op's own prefill rate stands for the peak"
     m["read_gbps"] = statistics.median(probe.all_gbps)
     m["probes"] = len(probe.all_gbps)
-    print(f"[calibrate] read {m['read_gbps']:.1f} GB/s (median of {m['probes']} probes)", flush=True)
+    if probe.all_stream_gbps:
+        # the stream probe's own reading at calibration: a validation run re-bases the host
+        # read rate on its stream probe over this (plan/profile.Profile.with_host_state)
+        m["stream_probe_gbps"] = statistics.median(probe.all_stream_gbps)
+        m["stream_probe_how"] = (
+            "our FP8 GEMV (M=1) through the read probe's 1 GiB as 64 [2048, 7168] FP8 matrices, "
+            f"median of {len(probe.all_stream_gbps)} probes taken between the kernel measurements"
+        )
+    print(
+        f"[calibrate] read {m['read_gbps']:.1f} GB/s (median of {m['probes']} probes), "
+        f"stream probe {m.get('stream_probe_gbps', float('nan')):.1f} GB/s",
+        flush=True,
+    )
     print(f"[calibrate] stand-in gemm {m['gemm']}", flush=True)
     from hmoe_jax.measure.probes import dram_corun
     from hmoe_jax.runtime.staging import size_copy_threads

@@ -60,6 +60,17 @@ def write_profile(path: Path, m: dict[str, Any]) -> str:
                 if "compute_probe_tflops" in m
                 else {}
             ),
+            **(
+                {
+                    "stream_probe_gbps": (
+                        m["stream_probe_gbps"],
+                        f"{here}: {m['stream_probe_how']} (the reference a validation run's own stream "
+                        "probe re-bases the host read rate on)",
+                    )
+                }
+                if "stream_probe_gbps" in m
+                else {}
+            ),
             "expert_bw_efficiency": (
                 min(1.0, fx["m1_gbps"] / fx["m1_probe_gbps"]),
                 f"{here}: fused FP8 MoE op M=1 {fx['m1_gbps']:.1f} GB/s over its side-by-side read probe "

@@ -3,7 +3,9 @@ loads on the GEMM kernels' own thread pool, over a buffer much larger than L3) a
 register-resident compute peak: the bf16 dot-product one (hmoe_bf16_dot_peak) where the CPU
 has AVX-512-BF16, else the f32 FMA one (hmoe_fma_peak).
 
-- ReadProbe: one read of 1 GiB per call, kept for side-by-side timing (measure/timing.py);
+- ReadProbe: one read of 1 GiB per call, kept for side-by-side timing (measure/timing.py),
+  and over the same bytes the stream probe: our FP8 GEMV (M=1) through ~1 GiB of weights,
+  what a decode step does with its experts and attention weights;
 - measure_read_bw: the median read rate of a few reads (experiments' ceilings).
 """
 
@@ -19,15 +21,43 @@ from hmoe_jax.measure.timing import TimingStats, median_time
 GIB = 1 << 30
 
 
+def _touched(nbytes: int) -> np.ndarray:
+    from hmoe_jax.quant.hostmem import aligned_empty
+
+    buf = aligned_empty((nbytes,), np.uint8)
+    buf[:] = 1  # every byte 0x01: in e4m3 a small subnormal, a valid FP8 weight (stream probe)
+    return buf
+
+
 def touched_buffer(nbytes: int):
     """A page-aligned `nbytes` uint8 buffer with every page written (so a probe reads
     memory, not the shared zero page), handed to jax zero-copy."""
     from hmoe_jax.kernels.gemm import device_put_zero_copy
-    from hmoe_jax.quant.hostmem import aligned_empty
 
-    buf = aligned_empty((nbytes,), np.uint8)
-    buf[:] = 1
-    return device_put_zero_copy(buf)
+    return device_put_zero_copy(_touched(nbytes))
+
+
+# The stream probe's matrices: an expert's gate / up shape of DeepSeek-V3 (14.7 MB of FP8)
+STREAM_N, STREAM_K = 2048, 7168
+
+
+def stream_matrices(buf: np.ndarray) -> list:
+    """The whole [STREAM_N, STREAM_K] FP8 matrices that fit in `buf` (uint8), as zero-copy
+    views of its bytes (unit block scales): the stream probe reads the read probe's memory."""
+    import ml_dtypes
+
+    from hmoe_jax.kernels.gemm import device_put_zero_copy
+    from hmoe_jax.quant.fp8 import Fp8Tensor
+
+    per = STREAM_N * STREAM_K
+    n = buf.size // per
+    if n < 1:
+        raise ValueError(
+            f"stream probe: a {buf.size}-byte buffer holds no {STREAM_N} x {STREAM_K} FP8 matrix"
+        )
+    mats = buf[: n * per].view(ml_dtypes.float8_e4m3fn).reshape(n, STREAM_N, STREAM_K)
+    scale = device_put_zero_copy(np.ones((STREAM_N // 128, STREAM_K // 128), np.float32))
+    return [Fp8Tensor(w=device_put_zero_copy(m), scale_inv=scale) for m in mats]
 
 
 def measure_read_bw(nbytes: int = GIB, threads: int = 0, repeats: int = 5) -> tuple[float, TimingStats, str]:
@@ -53,11 +83,17 @@ class ReadProbe:
     SIDE: a probe before each round of kernel calls, efficiency = kernel rate / the median
     of the probes taken in its own rounds."""
 
-    def __init__(self) -> None:
-        self.arr = touched_buffer(GIB)
+    def __init__(self, nbytes: int = GIB) -> None:
+        from hmoe_jax.kernels.gemm import device_put_zero_copy
+
+        self.buf = _touched(nbytes)
+        self.arr = device_put_zero_copy(self.buf)
+        self.nbytes = nbytes
         self.all_gbps: list[float] = []
         self.all_tflops: list[float] = []
+        self.all_stream_gbps: list[float] = []
         self.tflops_kind: str | None = None  # "bf16_dot" / "fma_f32" once tflops() has run
+        self._stream: tuple | None = None  # (matrices, x, jitted GEMV) once stream_gbps has run
 
     def gbps(self) -> float:
         import jax
@@ -66,8 +102,37 @@ class ReadProbe:
 
         t = time.perf_counter()
         jax.block_until_ready(read_bytes(self.arr))
-        g = GIB / (time.perf_counter() - t) / 1e9
+        g = self.nbytes / (time.perf_counter() - t) / 1e9
         self.all_gbps.append(g)
+        return g
+
+    def stream_gbps(self) -> float:
+        """The stream probe: our FP8 GEMV (one bf16 row, kernels.gemm.fp8_matmul on all pool
+        threads) through every [2048, 7168] FP8 matrix in the probe's buffer (64 of them,
+        0.94 GB, per GiB), weight bytes over the wall time of the whole pass. The read probe
+        is a bare 512-bit load loop; this one decodes FP8 and multiplies as it streams, as a
+        decode step does. On the Zen 5 VM the two moved apart: readings of 70-78 GB/s from
+        the read probe while the GEMV and the engine's steps ran at their usual rate, and over
+        40-80 interleaved rounds the engine's batch-1 step followed this probe more closely
+        (docs/simulator.md, "Probes"). The first call compiles (not a reading)."""
+        import jax
+        import jax.numpy as jnp
+
+        from hmoe_jax.kernels.gemm import fp8_matmul
+
+        if self._stream is None:
+            mats = stream_matrices(self.buf)
+            x = jnp.ones((1, STREAM_K), jnp.bfloat16)
+            fn = jax.jit(fp8_matmul)
+            jax.block_until_ready(fn(x, mats[0]))
+            self._stream = (mats, x, fn)
+        mats, x, fn = self._stream
+        t = time.perf_counter()
+        for w in mats:
+            y = fn(x, w)
+        jax.block_until_ready(y)
+        g = len(mats) * STREAM_N * STREAM_K / (time.perf_counter() - t) / 1e9
+        self.all_stream_gbps.append(g)
         return g
 
     def tflops(self) -> float | None:

@@ -28,6 +28,8 @@ class RateProbe(Protocol):
 
     def tflops(self) -> float | None: ...
 
+    def stream_gbps(self) -> float | None: ...
+
 
 @dataclass(frozen=True)
 class TimingStats:
@@ -129,8 +131,8 @@ def side_by_side(probe: RateProbe, fn: Callable[[], object], calls: int, rounds:
 def side_by_side_points(probe: RateProbe, fns: dict, calls: int, rounds: int) -> tuple[dict, float]:
     """Several variants of one measurement ({key: fn}, e.g. ones whose DIFFERENCE matters),
     side by side with the probes: `calls` warm-up calls of each, then every round a read
-    probe and a compute probe, then `calls` back-to-back calls of each variant, in an order
-    that reverses every round -> ({key: median seconds per call}, median probe GB/s)."""
+    probe, a compute probe and a stream probe, then `calls` back-to-back calls of each
+    variant, in an order that reverses every round -> ({key: median seconds per call}, median probe GB/s)."""
     keys = list(fns)
     for k in keys:
         for _ in range(calls):
@@ -140,6 +142,7 @@ def side_by_side_points(probe: RateProbe, fns: dict, calls: int, rounds: int) ->
     for r in range(rounds):
         bws.append(probe.gbps())
         probe.tflops()
+        probe.stream_gbps()  # recorded by the probe (calibrate keeps its median)
         for k in keys if r % 2 == 0 else keys[::-1]:
             t = time.perf_counter()
             for _ in range(calls):

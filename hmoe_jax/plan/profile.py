@@ -64,6 +64,10 @@ SCHEMA: dict[str, dict[str, _R]] = {
         # (measure/probes.ReadProbe.tflops): a validation run re-bases the host-core rates on
         # its own probe over this one (with_host_state); absent: on the read probe alone
         "compute_probe_tflops": (float, False, "pos"),
+        # the stream probe's reading (our FP8 GEMV through ~1 GiB, measure/probes.ReadProbe.
+        # stream_gbps) when the profile was measured: a validation run re-bases the host read
+        # rate on its own stream probe over this one (with_host_state); absent: on the read probe
+        "stream_probe_gbps": (float, False, "pos"),
         "expert_bw_efficiency": (float, True, "frac"),  # expert kernel bytes/s / sustained read
         "expert_compute_efficiency": (float, True, "frac"),  # expert kernel flops/s / peak (large M)
         # prefill M is not one point: the kernel unpacks each expert's weights once per call,
@@ -378,7 +382,9 @@ class Profile:
             values["accelerator"]["mem_gbps"], src["accelerator"]["mem_gbps"] = float(gbps), why
         return dataclasses.replace(self, values=values, src=src)
 
-    def with_host_state(self, read_gbps: float, peak_tflops: float | None, why: str) -> Profile:
+    def with_host_state(
+        self, read_gbps: float, peak_tflops: float | None, why: str, stream_gbps: float | None = None
+    ) -> Profile:
         """with_read_gbps, and with every rate that runs on the host's cores (the CPU's bf16
         peak; a stand-in accelerator's GEMM and convert rates) scaled by peak_tflops, a
         side-by-side compute probe in the run being predicted, over the same probe's reading
@@ -386,7 +392,18 @@ class Profile:
         A profile without that reading is re-based on the read probe alone: the ratio over
         its bf16 peak mixes two estimators (calibrate sets the peak to the kernel's own rate
         when the probe reads below it) and over-corrected the first full e04 run (-33% mean
-        error). Efficiencies stay as calibrated."""
+        error). Efficiencies stay as calibrated.
+
+        stream_gbps: the run's stream probe (our FP8 GEMV streaming weights). With it and the
+        profile's reading of the same probe at calibration (cpu.stream_probe_gbps), the read
+        rate becomes the calibrated one x stream_gbps / that reading, and read_gbps (the bare
+        load loop's) is not used: the engine's weight streaming follows the GEMV, and the bare
+        loop read 70-78 GB/s in phases where neither moved (docs/simulator.md, "Probes")."""
+        ref = self.values["cpu"].get("stream_probe_gbps")
+        if stream_gbps is not None and ref is not None:
+            cpu = self.values["cpu"]
+            calibrated = float(cpu["dram_gbps_per_node"]) * self.numa_nodes * float(cpu["dram_efficiency"])
+            read_gbps = calibrated * float(stream_gbps) / float(ref)
         prof = self.with_read_gbps(read_gbps, why)
         ref = self.values["cpu"].get("compute_probe_tflops")
         if peak_tflops is None or ref is None:
