@@ -121,3 +121,25 @@ def test_stream_probe_reads_the_read_probes_bytes_as_fp8_matrices():
     assert math.isfinite(g) and g > 0 and probe.all_stream_gbps == [g]
     with pytest.raises(ValueError, match="holds no 2048 x 7168 FP8 matrix"):
         stream_matrices(probe.buf[: per - 1])
+
+
+def test_the_read_rate_rebases_as_a_dram_part_and_a_fixed_part():
+    """cpu.read_fixed_share u: the re-based read rate is 1 / ((1 - u) / probe + u /
+    calibrated read): the calibrated rate at the calibrated probe, the probe itself at u = 0,
+    and a probe 1.6x the calibration gives 1 / (0.6 / 1.6 + 0.4) = 1.29x at u = 0.4 (after
+    the stream probe's mapping when the row has one)."""
+    base = load_profile("paper_epyc9355_rtx5090")
+    cpu = base.values["cpu"]
+    cal = cpu["dram_gbps_per_node"] * base.numa_nodes * cpu["dram_efficiency"]
+
+    def read(prof, p, stream=None):
+        c = prof.with_host_state(p, None, "test", stream_gbps=stream).values["cpu"]
+        return c["dram_gbps_per_node"] * c["dram_efficiency"] * prof.numa_nodes
+
+    u4 = _with_cpu(base, read_fixed_share=0.4)
+    assert read(u4, cal) == pytest.approx(cal)
+    assert read(u4, 1.6 * cal) == pytest.approx(cal / (0.6 / 1.6 + 0.4))
+    assert read(u4, 0.5 * cal) == pytest.approx(cal / (0.6 / 0.5 + 0.4))
+    assert read(_with_cpu(base, read_fixed_share=0.0), 1.6 * cal) == pytest.approx(1.6 * cal)
+    both = _with_cpu(base, read_fixed_share=0.4, stream_probe_gbps=40.0)
+    assert read(both, 999.0, stream=64.0) == pytest.approx(cal / (0.6 / 1.6 + 0.4))  # stream 1.6x

@@ -71,6 +71,7 @@ def test_absent_defaults_cover_every_optional_key_and_are_varied():
         "link.p2p_gbps",
         "cpu.compute_probe_tflops",
         "cpu.stream_probe_gbps",
+        "cpu.read_fixed_share",
     }
     optional = {f"{s}.{k}" for s, keys in SCHEMA.items() for k, (_, req, _) in keys.items() if not req}
     assert optional - not_defaults == set(ABSENT_DEFAULTS)

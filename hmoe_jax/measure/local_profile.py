@@ -62,6 +62,18 @@ def write_profile(path: Path, m: dict[str, Any]) -> str:
             ),
             **(
                 {
+                    "read_fixed_share": (
+                        min(0.9, m["gemm"]["gemv_gbps"] / m["gemm"]["gemv_l3_gbps"]),
+                        f"{here}: our FP8 GEMV (M=1) from DRAM {m['gemm']['gemv_gbps']:.1f} GB/s over the same GEMV on "
+                        f"one L3-resident matrix {m['gemm']['gemv_l3_gbps']:.1f} GB/s (medians of the blocks): the share "
+                        "of a streaming kernel's time per byte that a faster DRAM does not shorten",
+                    )
+                }
+                if "gemv_l3_gbps" in m.get("gemm", {})
+                else {}
+            ),
+            **(
+                {
                     "stream_probe_gbps": (
                         m["stream_probe_gbps"],
                         f"{here}: {m['stream_probe_how']} (the reference a validation run's own stream "

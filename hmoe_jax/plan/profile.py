@@ -68,6 +68,10 @@ SCHEMA: dict[str, dict[str, _R]] = {
         # stream_gbps) when the profile was measured: a validation run re-bases the host read
         # rate on its own stream probe over this one (with_host_state); absent: on the read probe
         "stream_probe_gbps": (float, False, "pos"),
+        # the share of a streaming kernel's time per byte that does not scale with DRAM (our
+        # FP8 GEMV's DRAM rate over its L3-resident rate): with_host_state re-bases the read
+        # rate as 1 / ((1 - u) / probe + u / calibrated read); absent: in proportion (u = 0)
+        "read_fixed_share": (float, False, "frac"),
         "expert_bw_efficiency": (float, True, "frac"),  # expert kernel bytes/s / sustained read
         "expert_compute_efficiency": (float, True, "frac"),  # expert kernel flops/s / peak (large M)
         # prefill M is not one point: the kernel unpacks each expert's weights once per call,
@@ -398,12 +402,22 @@ class Profile:
         profile's reading of the same probe at calibration (cpu.stream_probe_gbps), the read
         rate becomes the calibrated one x stream_gbps / that reading, and read_gbps (the bare
         load loop's) is not used: the engine's weight streaming follows the GEMV, and the bare
-        loop read 70-78 GB/s in phases where neither moved (docs/simulator.md, "Probes")."""
-        ref = self.values["cpu"].get("stream_probe_gbps")
+        loop read 70-78 GB/s in phases where neither moved (docs/simulator.md, "Probes").
+        cpu.read_fixed_share u: the re-based read rate is then 1 / ((1 - u) / rate + u /
+        calibrated read), the part of a streaming kernel's per-byte time that DRAM does not set
+        held fixed."""
+        cpu = self.values["cpu"]
+        calibrated = float(cpu["dram_gbps_per_node"]) * self.numa_nodes * float(cpu["dram_efficiency"])
+        ref = cpu.get("stream_probe_gbps")
         if stream_gbps is not None and ref is not None:
-            cpu = self.values["cpu"]
-            calibrated = float(cpu["dram_gbps_per_node"]) * self.numa_nodes * float(cpu["dram_efficiency"])
             read_gbps = calibrated * float(stream_gbps) / float(ref)
+        u = cpu.get("read_fixed_share")
+        if u is not None:
+            # A streaming kernel's time per byte = a DRAM part (scales with the probe) + a
+            # fixed part u (its decode and multiply work, measured as its L3-resident rate):
+            # its rate moves as this harmonic blend of the probe and the calibrated read, not
+            # in proportion (in a fast phase both probes rose 1.55x, the engine's step 1.36x)
+            read_gbps = 1.0 / ((1.0 - float(u)) / float(read_gbps) + float(u) / calibrated)
         prof = self.with_read_gbps(read_gbps, why)
         ref = self.values["cpu"].get("compute_probe_tflops")
         if peak_tflops is None or ref is None:
