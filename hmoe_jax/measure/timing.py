@@ -132,7 +132,8 @@ def side_by_side_points(probe: RateProbe, fns: dict, calls: int, rounds: int) ->
     """Several variants of one measurement ({key: fn}, e.g. ones whose DIFFERENCE matters),
     side by side with the probes: `calls` warm-up calls of each, then every round a read
     probe, a compute probe and a stream probe, then `calls` back-to-back calls of each
-    variant, in an order that reverses every round -> ({key: median seconds per call}, median probe GB/s)."""
+    variant, in an order that reverses every round -> ({key: median seconds per call},
+    median probe GB/s)."""
     keys = list(fns)
     for k in keys:
         for _ in range(calls):
