@@ -25,7 +25,7 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh, NamedSharding
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hmoe_jax.config import named_model_config
@@ -57,9 +57,11 @@ BF16_DOT = ("bf16", "bf16", "f32")
 TINY, V3 = named_model_config("deepseek_v3_tiny"), named_model_config("deepseek_v3")
 PAPER = "paper_epyc9355_rtx5090"
 PAIR_BLOCK = 8192  # (token, expert) pairs per block of grouped_expert_fn (parallel/prefill.py)
+# Auto like the engine's concrete Mesh (parallel/mesh.py); jax 0.11's AbstractMesh defaults to Explicit.
 MESH = AbstractMesh(
     (RANKS,),
     (AXIS,),
+    axis_types=(AxisType.Auto,),
     abstract_device=AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="cuda"),
 )
 

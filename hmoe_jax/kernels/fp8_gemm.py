@@ -81,11 +81,14 @@ def cuda_lowering_target(device_kind: str = "NVIDIA H100") -> Iterator[None]:
     """Lower Pallas Triton calls for a GPU this process does not have (jax.export with
     platforms=("cuda",) on a CPU box). jax >= 0.11 asks the default device for its compute
     capability and refuses a CPU one; an abstract CUDA device names the target instead.
-    jax 0.10 does not ask, and lowers the same way with or without it."""
-    from jax.sharding import AbstractDevice, AbstractMesh
+    jax 0.10 does not ask, and lowers the same way with or without it. The mesh's one axis is
+    Auto: jax 0.11 makes a new AbstractMesh's axes Explicit by default, which types every value
+    built inside (an iota, a zeros) as sharded and then refuses to mix it with the arguments."""
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
     target = AbstractDevice(device_kind=device_kind, num_cores=None, platform="cuda")
-    with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("_",), abstract_device=target)):
+    mesh = AbstractMesh((1,), ("_",), axis_types=(AxisType.Auto,), abstract_device=target)
+    with jax.sharding.use_abstract_mesh(mesh):
         yield
 
 

@@ -27,7 +27,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from hmoe_jax.config import ModelConfig
 from hmoe_jax.model import attention as A
@@ -360,16 +359,14 @@ CPU_DSLP_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "while-loop-invariant-cod
 
 
 def _dslp_mesh(ranks: int) -> Any:
-    from jax.sharding import Mesh
-
-    from hmoe_jax.parallel.mesh import AXIS
+    from hmoe_jax.parallel.mesh import make_mesh
 
     devs = jax.devices()
     if len(devs) < ranks:
         raise ValueError(
             f"probe_dslp_pieces: {ranks} ranks need {ranks} devices, the backend has {len(devs)}"
         )
-    return Mesh(np.array(devs[:ranks]), (AXIS,))
+    return make_mesh(ranks, devs)
 
 
 def _dslp_options() -> dict[str, str] | None:

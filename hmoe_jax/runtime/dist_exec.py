@@ -28,11 +28,11 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hmoe_jax.model.moe import experts_ref
-from hmoe_jax.parallel.mesh import AXIS
+from hmoe_jax.parallel.mesh import AXIS, make_mesh
 from hmoe_jax.parallel.moe import expert_bytes_view
 from hmoe_jax.parallel.prefill import (
     attn_fn,
@@ -110,7 +110,7 @@ def embed(run: Run, op: Op) -> list:
     accs = run.weights.placement.accelerators
     if len(accs) < n:
         raise PlanError(f"op {op.id}: dslp plan for {n} ranks, placement has {len(accs)} accelerators")
-    mesh = Mesh(np.array(accs[:n]), (AXIS,))
+    mesh = make_mesh(n, accs)
     b, t = run.tokens.shape
     layout = ZigzagLayout.for_sequence(t, n)
     name = op.args.get("acc_experts", "grouped")
