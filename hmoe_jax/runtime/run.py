@@ -23,6 +23,8 @@ from jax.sharding import Mesh
 from hmoe_jax.config import ModelConfig
 from hmoe_jax.model.moe import ExpertFn
 from hmoe_jax.model.precision import F32, Precision
+from hmoe_jax.plan import costs
+from hmoe_jax.plan.buckets import cache_len
 from hmoe_jax.plan.dist import ZigzagLayout
 from hmoe_jax.plan.format import Op
 from hmoe_jax.plan.trace import TraceRecorder
@@ -151,11 +153,32 @@ class Run:
         kw = dict(prec=self.prec, **self.attn)
         if t1 - t0 == 1:
             kw["kv_len"] = decode_kv_len(int(pos.max()) + 1, self.cache.max_len)
+        else:
+            kw["k_block"] = prefill_key_block(kw.get("k_block", K_BLOCK), t1 - t0, int(pos.max()) + t1 - t0)
         return (self.rows, pos), kw
 
     def span(self, op: Op) -> tuple[int, int]:
         t0, t1 = op.args.get("tokens", (0, self.tokens.shape[1]))
         return int(t0), int(t1)
+
+
+K_BLOCK = 512  # the key block option's default (pieces.attention, plan.costs.attn_flops)
+
+
+def prefill_key_block(k_block: int, tokens: int, end: int) -> int:
+    """The key block of a prefill chunk of `tokens` (padded) tokens ending at position `end`
+    (exclusive). The plan prices whole blocks of b = key_block(k_block, cache_len(end))
+    (plan.costs.attn_flops); this is b, or the power of two >= tokens when that divides b
+    (a divisor of cache_len(end) too), so the walk visits at most the keys priced, exactly
+    them when `end` is a multiple of b (a first chunk: end = its padded length = b).
+    Left to itself the walk would take gcd(k_block, pool row length), 512 on a 4K row: a
+    128-token first chunk then attends over 512 key slots, 384 of them masked, 1.26x the
+    priced FLOPs (210 vs 146 ms a layer at DeepSeek-V3 dims on 2 Zen 5 cores). The block
+    depends on the padded length alone for a chunk that starts at a multiple of it (a prompt
+    cut into power-of-two chunks), so warm-up's chunks at position 0 cover serving's."""
+    b = costs.key_block(k_block, cache_len(end))
+    cap = 1 << max(int(tokens) - 1, 0).bit_length()
+    return cap if b % cap == 0 else b
 
 
 def decode_kv_len(tokens: int, max_len: int) -> int:
