@@ -25,14 +25,19 @@ Method, all in one run, rounds interleaved (a shared 2-core machine; medians):
    (serve/servetrace.py): engine decode / chunked prefill / compile / scheduler / HTTP.
 4. With --llama-server PATH --gguf PATH: the same load against llama-server (2 threads, 4
    slots, no prompt cache: `cache_prompt: false` in every request, prompts distinct). The
-   experiment does not build llama.cpp (docs/serve.md says how).
+   experiment does not build llama.cpp (docs/serve.md says how). One client runs
+   --c1-repeats times a round (default 3), the servers alternating request by request;
+   besides the ratio of the medians, `throughput_vs_llama_server_c1_pairs` holds each
+   back-to-back pair's ratio (the VM's phase moves a batch-1 step by ~30% within minutes,
+   and a pair shares one).
 
 Model: full, the real-shape DeepSeek-V3 bench twin (configs/models/deepseek_v3_bench.json,
 2 MoE layers of real dims, 32 experts top-8 + shared, vocab 8,192), the weight arena of e06
 plus a word-level tokenizer.json (one word per id: every generated token is text, so each
 streams as its own chunk). --quick: the embedded tiny model, 1 and 2 clients, short outputs.
 
-    python -m experiments.e09_serving [--quick] [--rounds N] [--llama-server PATH --gguf PATH]
+    python -m experiments.e09_serving [--quick] [--rounds N] [--c1-repeats N]
+        [--llama-server PATH --gguf PATH]
 """
 
 from __future__ import annotations
@@ -361,6 +366,19 @@ def med(xs) -> float | None:
     return float(np.median(xs)) if xs else None
 
 
+def paired_ratios(rows: list[dict[str, Any]], clients: int, peer: str = "llama-server") -> list[float]:
+    """hmoe's output tok/s over the peer's for each (round, rep) at `clients`: the two runs
+    of a pair ran back to back, so the VM's phase moves both alike."""
+
+    def tok_s(server: str) -> dict[tuple[int, int], float]:
+        return {(r["round"], r.get("rep", 0)): r["output_tok_s"] for r in rows
+                if r.get("part") == "decode" and r.get("server") == server and r.get("clients") == clients
+                and r.get("output_tok_s")}  # fmt: skip
+
+    ours, theirs = tok_s("hmoe"), tok_s(peer)
+    return [ours[k] / theirs[k] for k in sorted(ours) if k in theirs]
+
+
 def load_avg() -> list[float]:
     try:
         return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
@@ -376,6 +394,12 @@ def main(argv: list[str] | None = None) -> dict:
     pre.add_argument("--gguf", default=None, help="the GGUF of the same weights, for --llama-server")
     pre.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3; --quick 1)")
     pre.add_argument(
+        "--c1-repeats",
+        type=int,
+        default=None,
+        help="one-client requests per server per round, alternating servers (default 3; --quick 1)",
+    )
+    pre.add_argument(
         "--expert-fn",
         choices=["auto", "ref", "ffi"],
         default=None,
@@ -387,6 +411,11 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("e09: give --llama-server and --gguf together")
     quick = args.quick
     rounds = known.rounds or (1 if quick else 3)
+    # one client is one request per server per round, and this VM's phases move a batch-1
+    # step by 30% within minutes: repeat it, alternating servers, so each pair shares a phase
+    c1_repeats = known.c1_repeats or (1 if quick else 3)
+    if c1_repeats < 1:
+        raise SystemExit("e09: --c1-repeats must be >= 1")
     clients = (1, 2) if quick else (1, 2, 4)
     prompt_len, output_len = (32, 12) if quick else (128, 64)
     join_decodes = 1 if quick else 3
@@ -426,13 +455,23 @@ def main(argv: list[str] | None = None) -> dict:
                 steps[b] += ts
             seed += 1
             for c in clients:
-                alive()
-                for name, url in servers.items():
-                    res = bench(url, "decode_n", c, prompt_len, output_len, seed, extra=extra.get(name))
-                    runs.append({"server": name, "kind": "decode", "clients": c, "round": r, "res": res})
-                    seed += 1
-                    print(f"[round {r}] {name} c={c}: {res['output_throughput']:.2f} tok/s, "
-                          f"TPOT {res['mean_tpot_ms']:.1f} ms, TTFT {res['mean_ttft_ms']:.0f} ms", flush=True)  # fmt: skip
+                for rep in range(c1_repeats if c == 1 else 1):
+                    alive()
+                    for name, url in servers.items():
+                        res = bench(url, "decode_n", c, prompt_len, output_len, seed, extra=extra.get(name))
+                        runs.append(
+                            {
+                                "server": name,
+                                "kind": "decode",
+                                "clients": c,
+                                "round": r,
+                                "rep": rep,
+                                "res": res,
+                            }
+                        )
+                        seed += 1
+                        print(f"[round {r}] {name} c={c}: {res['output_throughput']:.2f} tok/s, "
+                              f"TPOT {res['mean_tpot_ms']:.1f} ms, TTFT {res['mean_ttft_ms']:.0f} ms", flush=True)  # fmt: skip
             for name, url in servers.items():
                 res = bench(url, "join", join_decodes, prompt_len, output_len, seed, long_len=prompt_len,
                             extra=extra.get(name))  # fmt: skip
@@ -459,7 +498,15 @@ def main(argv: list[str] | None = None) -> dict:
             if run["kind"] == "decode"
             else summarise_join(run["res"], join_decodes)
         )
-        rows.append({"part": run["kind"], "server": run["server"], "round": run["round"], **summ})
+        rows.append(
+            {
+                "part": run["kind"],
+                "server": run["server"],
+                "round": run["round"],
+                "rep": run.get("rep", 0),
+                **summ,
+            }
+        )
     slices = trace_slices(trace_path)
     hmoe_runs = [r for r in runs if r["server"] == "hmoe"]
     rows += run_breakdowns(slices, hmoe_runs)
@@ -501,6 +548,9 @@ def main(argv: list[str] | None = None) -> dict:
                 "llama-server", c, "tpot_all_decoding_ms"
             )
             summary[f"throughput_vs_llama_server_c{c}"] = ours / theirs if ours and theirs else None
+            pairs = paired_ratios(rows, c)
+            summary[f"throughput_vs_llama_server_c{c}_pairs"] = pairs
+            summary[f"throughput_vs_llama_server_c{c}_pairs_median"] = med(pairs)
         summary["llama_server_join_ttft_ms"] = per("llama-server", 0, "join_ttft_ms", "join")
     for c in clients:
         # the same ratio against the server's own c-row steps, timed in the same window (its

@@ -19,7 +19,16 @@ from tests.helpers import ROOT
 
 @pytest.mark.slow
 def test_e09_quick_writes_a_consistent_record(tmp_path):
-    cmd = [sys.executable, "-m", "experiments.e09_serving", "--quick", "--out-dir", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "experiments.e09_serving",
+        "--quick",
+        "--c1-repeats",
+        "2",
+        "--out-dir",
+        str(tmp_path),
+    ]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert p.returncode == 0, p.stderr[-3000:]
     rec = json.loads(p.stdout.strip().splitlines()[-1])  # the record is the last stdout line
@@ -40,6 +49,10 @@ def test_e09_quick_writes_a_consistent_record(tmp_path):
         )
         assert sm[f"breakdown_c{c}_engine_decode_ms"] > 0  # the trace saw the decode steps
     assert sm["requests_failed"] == 0
+    # one client ran twice a round, two clients once
+    c1 = [r for r in rows if r["part"] == "decode" and r["clients"] == 1]
+    assert sorted(r["rep"] for r in c1) == [0, 1]
+    assert [r["rep"] for r in rows if r["part"] == "decode" and r["clients"] == 2] == [0]
     # the loop's period is never shorter than the step it starts (same trace, same clock)
     assert sm["loop_period_over_step_b1"] >= 1.0 and sm["loop_adds_ms_b1"] >= 0
     assert sm["join_ttft_ms"] > 0 and sm["join_prefill_chunk_ms"] > 0
