@@ -369,14 +369,14 @@ def med(xs) -> float | None:
 def paired_ratios(rows: list[dict[str, Any]], clients: int, peer: str = "llama-server") -> list[float]:
     """hmoe's output tok/s over the peer's for each (round, rep) at `clients`: the two runs
     of a pair ran back to back, so the VM's phase moves both alike."""
+    from hmoe_jax.bench.stats import paired_ratios as ratios
 
     def tok_s(server: str) -> dict[tuple[int, int], float]:
         return {(r["round"], r.get("rep", 0)): r["output_tok_s"] for r in rows
                 if r.get("part") == "decode" and r.get("server") == server and r.get("clients") == clients
                 and r.get("output_tok_s")}  # fmt: skip
 
-    ours, theirs = tok_s("hmoe"), tok_s(peer)
-    return [ours[k] / theirs[k] for k in sorted(ours) if k in theirs]
+    return ratios(tok_s("hmoe"), tok_s(peer))
 
 
 def load_avg() -> list[float]:

@@ -23,7 +23,12 @@ def _priced_keys(k_block: int, start: int, tokens: int) -> int:
     return -(-(start + tokens) // b) * b
 
 
-CASES = [(k, t, s) for k in (512, 256) for t in (64, 128, 188, 256, 512) for s in (0, 64, 128, 512, 1024, 1536, 3000)]
+CASES = [
+    (k, t, s)
+    for k in (512, 256)
+    for t in (64, 128, 188, 256, 512)
+    for s in (0, 64, 128, 512, 1024, 1536, 3000)
+]
 
 
 @pytest.mark.parametrize("k_block,tokens,start", CASES)

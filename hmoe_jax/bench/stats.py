@@ -125,3 +125,10 @@ def calculate_metrics(
         errors=[o.error for o in outputs],
     )
     return res
+
+
+def paired_ratios(ours: Mapping[Any, float], theirs: Mapping[Any, float]) -> list[float]:
+    """Side-by-side ratios of two servers' runs keyed alike (e.g. (round, repeat) of runs
+    made back to back, so a shared machine's phase moves both): ours[k] / theirs[k] for each
+    key both have, in key order. A key missing on either side (a failed run) has no pair."""
+    return [float(ours[k]) / float(theirs[k]) for k in sorted(ours) if k in theirs and theirs[k]]
